@@ -1,0 +1,47 @@
+# tfps developer entry points. `make demo` and `make test` do all the set-up on a fresh machine.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export TFPS_CACHE ?= $(HOME)/.cache/tfps
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: test unit integration e2e demo venv cluster-tools system-deps lint bench clean-cluster
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[all]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+venv: $(STAMP)
+
+system-deps:
+	hack/install-system-deps.sh
+
+cluster-tools:
+	hack/build-cluster.sh
+
+# pytest exits 5 when it collects nothing; that is not a failure of the suite.
+test: venv system-deps cluster-tools
+	$(PY) -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+unit: venv
+	$(PY) -m pytest tests/unit -q
+
+integration: venv system-deps cluster-tools
+	$(PY) -m pytest tests/integration -q
+
+e2e: venv system-deps cluster-tools
+	$(PY) -m pytest tests/e2e -q
+
+demo: venv system-deps cluster-tools
+	hack/demo.sh
+
+bench: venv
+	$(VENV)/bin/tfps bench
+
+lint: venv
+	$(VENV)/bin/hadolint images/*/Dockerfile
+
+clean-cluster:
+	hack/cluster.sh down || true

@@ -1,0 +1,1 @@
+"""tfps.bench: benchmarks that print ratios against anchors measured in the same run."""

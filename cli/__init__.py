@@ -1,0 +1,1 @@
+"""The `tfps` command: the outermost layer, free to reach both the operator and the runtime."""

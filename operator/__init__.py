@@ -1,0 +1,1 @@
+"""tfps.operator: the kopf operator for TrainingJobs (thin handlers, pure builders)."""

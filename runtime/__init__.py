@@ -1,0 +1,1 @@
+"""tfps.runtime: what PS and worker pods run. Imports neither kopf nor kubernetes."""

@@ -1,0 +1,84 @@
+"""Prometheus metrics of PS and worker pods: the names the dashboard and alerts rely on.
+
+Every series carries `job`, `namespace`, `replica_type` and `replica_index`, so a
+dashboard can select one TrainingJob without relabeling. Base units, `_total` counters.
+Each process serves its own registry on TFPS_METRICS_PORT (9090).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LABELS = ("job", "namespace", "replica_type", "replica_index")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Identity:
+    job: str
+    namespace: str
+    replica_type: str  # "ps" | "worker" | "chief" | "evaluator"
+    replica_index: int
+
+    def values(self) -> tuple[str, str, str, str]:
+        return (self.job, self.namespace, self.replica_type, str(self.replica_index))
+
+
+class _Bound:
+    """Creates metrics in a private registry with this process's identity labels bound."""
+
+    def __init__(self, identity: Identity, registry: CollectorRegistry | None = None):
+        self.identity = identity
+        self.registry = registry or CollectorRegistry()
+
+    def _make(self, cls, name, doc, extra_labels=(), **kw):
+        metric = cls(name, doc, LABELS + tuple(extra_labels), registry=self.registry, **kw)
+        if extra_labels:
+            # Caller binds the remaining labels per event: metric.labels(reason=...)
+            return _PartiallyBound(metric, self.identity)
+        return metric.labels(*self.identity.values())
+
+    def serve(self, port: int, addr: str = "0.0.0.0"):
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _PartiallyBound:
+    def __init__(self, metric, identity: Identity):
+        self._metric, self._identity = metric, identity
+
+    def labels(self, **extra):
+        return self._metric.labels(*self._identity.values(), *extra.values())
+
+
+class WorkerMetrics(_Bound):
+    def __init__(self, identity: Identity, registry: CollectorRegistry | None = None):
+        super().__init__(identity, registry)
+        self.steps = self._make(Counter, "tfps_worker_steps_total", "Training steps this worker completed")
+        self.examples = self._make(Counter, "tfps_worker_examples_total", "Examples this worker computed gradients on")
+        self.step_seconds = self._make(Histogram, "tfps_worker_step_seconds", "Wall time of one step (pull, compute, push)", buckets=_LATENCY_BUCKETS)
+        self.push_seconds = self._make(Histogram, "tfps_worker_push_seconds", "Time to push gradients to all PS shards", buckets=_LATENCY_BUCKETS)
+        self.pull_seconds = self._make(Histogram, "tfps_worker_pull_seconds", "Time to pull parameters from all PS shards", buckets=_LATENCY_BUCKETS)
+        self.compute_seconds = self._make(Histogram, "tfps_worker_compute_seconds", "Time to compute gradients", buckets=_LATENCY_BUCKETS)
+        self.loss = self._make(Gauge, "tfps_worker_loss", "Training loss of the last batch")
+        self.retries = self._make(Counter, "tfps_worker_rpc_retries_total", "PS calls retried after an unavailable PS")
+
+
+class PSMetrics(_Bound):
+    def __init__(self, identity: Identity, registry: CollectorRegistry | None = None):
+        super().__init__(identity, registry)
+        self.updates = self._make(Counter, "tfps_ps_updates_applied_total", "Optimizer updates applied to this shard")
+        self.apply_seconds = self._make(Histogram, "tfps_ps_apply_seconds", "Time to apply one update to this shard", buckets=_LATENCY_BUCKETS)
+        self.staleness = self._make(Histogram, "tfps_ps_gradient_staleness", "Versions between a gradient's parameters and the shard's when applied", buckets=_STALENESS_BUCKETS)
+        self.bytes_in = self._make(Counter, "tfps_ps_received_bytes_total", "Bytes of gradients received")
+        self.bytes_out = self._make(Counter, "tfps_ps_sent_bytes_total", "Bytes of parameters sent")
+        self.version = self._make(Gauge, "tfps_ps_parameter_version", "Version of this shard's parameters (updates applied since start of training)")
+        self.global_step = self._make(Gauge, "tfps_ps_global_step", "Training step reached (the job's progress)")
+        self.loss = self._make(Gauge, "tfps_ps_loss", "Mean training loss reported with the last applied update")
+        self.examples = self._make(Counter, "tfps_ps_examples_total", "Examples behind the gradients applied to this shard")
+        self.workers_live = self._make(Gauge, "tfps_ps_workers_live", "Workers that pushed or pulled recently")
+        self.rejected = self._make(Counter, "tfps_ps_rejected_requests_total", "Requests refused (malformed, unauthenticated, ...)", extra_labels=("reason",))
+        self.checkpoints = self._make(Counter, "tfps_ps_checkpoints_total", "Checkpoints of this shard written")
+        self.checkpoint_step = self._make(Gauge, "tfps_ps_checkpoint_step", "Step of the last checkpoint written or restored")
+        self.restored = self._make(Counter, "tfps_ps_restores_total", "Times this shard was restored from a checkpoint")

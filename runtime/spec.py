@@ -1,0 +1,166 @@
+"""The TrainingJob spec types, their defaults, and reading a manifest.
+
+The one definition of the API's shape on the Python side: the operator's pod builders,
+`tfps local` and the PS/worker entry points all use these. Field names are the
+manifest's (camelCase) through aliases; Python code uses snake_case.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "tfps.io"
+API_VERSION = "v1alpha1"
+KIND = "TrainingJob"
+PLURAL = "trainingjobs"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def to_manifest(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class ReplicaType(str, Enum):
+    PS = "PS"
+    WORKER = "Worker"
+    CHIEF = "Chief"
+    EVALUATOR = "Evaluator"
+
+    @property
+    def task_type(self) -> str:
+        """The TF_CONFIG task type and the name segment of pods (`ps`, `worker`, ...)."""
+        return self.value.lower()
+
+
+class RestartPolicy(str, Enum):
+    ALWAYS = "Always"
+    ON_FAILURE = "OnFailure"
+    NEVER = "Never"
+    EXIT_CODE = "ExitCode"  # TFJob semantics: exit codes >= 128 are retryable
+
+
+class ConsistencyMode(str, Enum):
+    SYNC = "sync"
+    ASYNC = "async"
+    BOUNDED = "bounded"
+
+
+class OptimizerName(str, Enum):
+    SGD = "sgd"
+    MOMENTUM = "momentum"
+    ADAM = "adam"
+    ADAGRAD = "adagrad"
+
+
+class CleanPodPolicy(str, Enum):
+    RUNNING = "Running"
+    ALL = "All"
+    NONE = "None"
+
+
+class SuccessPolicy(str, Enum):
+    DEFAULT = ""  # Chief when present, else worker 0
+    ALL_WORKERS = "AllWorkers"
+
+
+class ReplicaSpec(_Model):
+    replicas: int = Field(1, ge=0)
+    restart_policy: RestartPolicy = RestartPolicy.ON_FAILURE
+    template: dict[str, Any] = Field(default_factory=dict)
+
+
+class OptimizerSpec(_Model):
+    name: OptimizerName = OptimizerName.ADAM
+    learning_rate: float = Field(0.001, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)  # momentum optimizer only
+    beta1: float = Field(0.9, ge=0, lt=1)  # adam only
+    beta2: float = Field(0.999, ge=0, lt=1)  # adam only
+    epsilon: float = Field(1e-7, gt=0)  # adam only
+    initial_accumulator: float = Field(0.1, ge=0)  # adagrad only
+
+
+class ConsistencySpec(_Model):
+    mode: ConsistencyMode = ConsistencyMode.SYNC
+    staleness: int = Field(4, ge=0)  # bounded only: versions a worker may fall behind
+
+
+class CheckpointSpec(_Model):
+    path: str | None = None
+    every_steps: int = Field(200, ge=1)
+
+
+class TrainingSpec(_Model):
+    model: str = "digits-mlp"
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    batch_size: int = Field(64, ge=1)
+    steps: int = Field(1000, ge=1)
+    consistency: ConsistencySpec = Field(default_factory=ConsistencySpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    export_path: str | None = None  # SavedModel of the final parameters, written on success
+
+
+class RunPolicy(_Model):
+    clean_pod_policy: CleanPodPolicy = CleanPodPolicy.RUNNING
+    backoff_limit: int = Field(3, ge=0)
+    active_deadline_seconds: int | None = Field(None, ge=1)
+    ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    suspend: bool = False
+
+
+class TrainingJobSpec(_Model):
+    replica_specs: dict[ReplicaType, ReplicaSpec]
+    training: TrainingSpec | None = None
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    success_policy: SuccessPolicy = SuccessPolicy.DEFAULT
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> "TrainingJobSpec":
+        if self.training is not None:
+            for needed in (ReplicaType.PS, ReplicaType.WORKER):
+                spec = self.replica_specs.get(needed)
+                if spec is None or spec.replicas < 1:
+                    raise ValueError(f"spec.replicaSpecs.{needed.value}: required (replicas >= 1) when spec.training is set")
+        chief = self.replica_specs.get(ReplicaType.CHIEF)
+        if chief is not None and chief.replicas > 1:
+            raise ValueError("spec.replicaSpecs.Chief.replicas: at most 1")
+        return self
+
+    def replicas(self, rtype: ReplicaType) -> int:
+        spec = self.replica_specs.get(rtype)
+        return spec.replicas if spec else 0
+
+
+class TrainingJob(_Model):
+    """A whole manifest (apiVersion, kind, metadata, spec); status is the operator's."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+    api_version: str = f"{API_GROUP}/{API_VERSION}"
+    kind: str = KIND
+    metadata: dict[str, Any]
+    spec: TrainingJobSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata["name"]
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.get("namespace", "default")
+
+
+def load_manifest(path: str | Path) -> TrainingJob:
+    """Read the first TrainingJob in a YAML file; a clear ValueError names what is wrong."""
+    with open(path) as fh:
+        for doc in yaml.safe_load_all(fh):
+            if isinstance(doc, dict) and doc.get("kind") == KIND:
+                return TrainingJob.model_validate(doc)
+    raise ValueError(f"{path}: no {KIND} document found")
