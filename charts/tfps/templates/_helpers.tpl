@@ -1,0 +1,159 @@
+{{/* Names and labels shared by every object of the chart. */}}
+
+{{- define "tfps.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Fully qualified app name; truncated at 63 characters (a DNS label). */}}
+{{- define "tfps.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tfps.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "tfps.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tfps.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "tfps.labels" -}}
+helm.sh/chart: {{ include "tfps.chart" . }}
+{{ include "tfps.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tfps
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "tfps.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tfps.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An image reference: repository:tag (tag defaults to the chart's appVersion), or @digest when set. */}}
+{{- define "tfps.image" -}}
+{{- $image := .image -}}
+{{- if $image.digest -}}
+{{- printf "%s@%s" $image.repository $image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository (default .root.Chart.AppVersion $image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespace every namespaced object goes to. */}}
+{{- define "tfps.namespace" -}}
+{{- default .Release.Namespace .Values.namespaceOverride -}}
+{{- end -}}
+
+{{/*
+The operator's configuration file. Its format is tfps.operator.config.OperatorConfig
+(camelCase, unknown keys rejected); tests/unit/test_chart.py validates the rendered file with it.
+*/}}
+{{- define "tfps.operatorConfig" -}}
+{{- $rt := .Values.runtime -}}
+{{- $op := .Values.operator -}}
+images:
+  ps: {{ include "tfps.image" (dict "image" $rt.images.ps "root" .) | quote }}
+  worker: {{ include "tfps.image" (dict "image" $rt.images.worker "root" .) | quote }}
+  pullPolicy: {{ $rt.images.pullPolicy }}
+ports:
+  grpc: {{ $rt.ports.grpc }}
+  metrics: {{ $rt.ports.metrics }}
+resources:
+  {{- toYaml $rt.resources | nindent 2 }}
+podSecurityContext:
+  {{- toYaml $rt.podSecurityContext | nindent 2 }}
+containerSecurityContext:
+  {{- toYaml $rt.containerSecurityContext | nindent 2 }}
+tmpVolume: {{ $rt.tmpVolume }}
+resyncSeconds: {{ $op.resyncSeconds }}
+progressSeconds: {{ $op.progressSeconds }}
+reconcileWorkers: {{ $op.reconcileWorkers }}
+{{- end -}}
+
+{{/* Arguments of the operator container (its entrypoint is `tfps`). */}}
+{{- define "tfps.operatorArgs" -}}
+{{- $op := .Values.operator -}}
+- operator
+- --config=/etc/tfps/config.yaml
+- --log-level={{ $op.logLevel }}
+- --metrics-port={{ $op.metricsPort }}
+- --health-port={{ $op.healthPort }}
+{{- if $op.watchNamespaces }}
+{{- range $op.watchNamespaces }}
+- --namespace={{ . }}
+{{- end }}
+{{- else }}
+- --all-namespaces
+{{- end }}
+{{- range $op.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* RBAC rules on cluster-scoped resources (always in the ClusterRole). */}}
+{{- define "tfps.clusterRules" -}}
+# kopf: discovering the resources it serves (it watches CRDs to notice them appear).
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [get, list, watch]
+{{- if empty .Values.operator.watchNamespaces }}
+# kopf: peering between operator replicas serving the whole cluster.
+- apiGroups: [kopf.dev]
+  resources: [clusterkopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- else }}
+# kopf: knowing which of the watched namespaces exist.
+- apiGroups: [""]
+  resources: [namespaces]
+  verbs: [get, list, watch]
+{{- end }}
+{{- end -}}
+
+{{/* RBAC rules on namespaced resources (ClusterRole when cluster-wide, else a Role per watched namespace). */}}
+{{- define "tfps.namespacedRules" -}}
+# The TrainingJobs: watching them, kopf's finalizer/annotations, and their status.
+- apiGroups: [tfps.io]
+  resources: [trainingjobs]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [tfps.io]
+  resources: [trainingjobs/status]
+  verbs: [get, patch, update]
+# The PS and worker pods and the job's headless Service.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, create, delete, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, delete]
+# Events about the jobs (kopf posts core/v1 events).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- if not (empty .Values.operator.watchNamespaces) }}
+# kopf: peering between operator replicas, per watched namespace.
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [get, list, watch, patch]
+{{- end }}
+{{- end -}}
