@@ -1,0 +1,172 @@
+"""Pure manifest builders: a TrainingJob and the operator's config in, dicts out, no I/O.
+
+The user's pod template is the base; the operator fills what it leaves out (image, args,
+ports, resources, security context) and owns what must agree with TF_CONFIG and the
+Service (names, hostname/subdomain, labels, the runtime's environment variables).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from tfps.runtime import tfconfig
+from tfps.runtime.spec import API_GROUP, API_VERSION, KIND, ReplicaType, RestartPolicy, TrainingJob
+
+from . import naming
+from .config import OperatorConfig
+
+# TFJob semantics: the kubelet restarts in place for Always/OnFailure; for ExitCode the
+# operator looks at the exit code and recreates the pod itself.
+POD_RESTART_POLICY = {
+    RestartPolicy.ALWAYS: "Always",
+    RestartPolicy.ON_FAILURE: "OnFailure",
+    RestartPolicy.NEVER: "Never",
+    RestartPolicy.EXIT_CODE: "Never",
+}
+RUNTIME_ARGS = {ReplicaType.PS: ["ps"]}  # every other type runs `tfps worker`
+OPERATOR_ENV = (tfconfig.ENV_TF_CONFIG, tfconfig.ENV_JOB_NAME, tfconfig.ENV_NAMESPACE,
+                tfconfig.ENV_TRAINING, tfconfig.ENV_BIND_ADDRESS, tfconfig.ENV_METRICS_PORT)
+
+
+def owner_reference(job: TrainingJob) -> list[dict[str, Any]]:
+    uid = job.metadata.get("uid")
+    if not uid:  # `tfps render` of a manifest that was never applied
+        return []
+    return [{"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job.name, "uid": uid,
+             "controller": True, "blockOwnerDeletion": True}]
+
+
+def _metadata(job: TrainingJob, name: str, labels: dict[str, str], extra: dict[str, Any] | None = None) -> dict:
+    extra = extra or {}
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": {**extra.get("labels", {}), **labels},
+    }
+    if extra.get("annotations"):
+        meta["annotations"] = dict(extra["annotations"])
+    owners = owner_reference(job)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta
+
+
+def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
+    """The headless Service that gives every pod `<pod>.<job>.<ns>.svc`."""
+    labels = {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, naming.service_name(job.name), labels),
+        "spec": {
+            "clusterIP": "None",
+            "selector": naming.job_selector(job.name),
+            # Pods must resolve each other before they are Ready: the PS waits for workers.
+            "publishNotReadyAddresses": True,
+            "ports": [
+                {"name": naming.GRPC_PORT_NAME, "port": config.ports.grpc, "targetPort": config.ports.grpc},
+                {"name": naming.METRICS_PORT_NAME, "port": config.ports.metrics, "targetPort": config.ports.metrics},
+            ],
+        },
+    }
+
+
+def _runtime_env(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig) -> list[dict]:
+    cfg = tfconfig.tf_config(
+        job.name, job.namespace, job.spec, rtype, index,
+        address=lambda t, i: f"{tfconfig.dns_name(job.name, job.namespace, t, i)}:{config.ports.grpc}",
+    )
+    env = [
+        {"name": tfconfig.ENV_TF_CONFIG, "value": json.dumps(cfg, separators=(",", ":"))},
+        {"name": tfconfig.ENV_JOB_NAME, "value": job.name},
+        {"name": tfconfig.ENV_NAMESPACE, "value": job.namespace},
+    ]
+    if job.spec.training is not None:
+        env.append({"name": tfconfig.ENV_TRAINING,
+                    "value": json.dumps(job.spec.training.to_manifest(), separators=(",", ":"), sort_keys=True)})
+    env += [
+        {"name": tfconfig.ENV_BIND_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": tfconfig.ENV_METRICS_PORT, "value": str(config.ports.metrics)},
+    ]
+    return env
+
+
+def _merge_named(ours: list[dict], theirs: list[dict], key: str, ours_win: bool) -> list[dict]:
+    """Merge two lists of named items (env, ports, volumes) by `key`."""
+    theirs_by = {item.get(key): item for item in theirs}
+    ours_by = {item.get(key): item for item in ours}
+    merged = [ours_by[k] if ours_win and k in ours_by else item for k, item in theirs_by.items()]
+    merged = [item for item in ours if item.get(key) not in theirs_by] + merged
+    return merged
+
+
+def _gpu_requested(resources: dict[str, Any]) -> bool:
+    return any(naming.GPU_RESOURCE in (resources.get(part) or {}) for part in ("limits", "requests"))
+
+
+def _container(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig, user: dict) -> dict:
+    c = copy.deepcopy(user)
+    c["name"] = naming.CONTAINER_NAME
+    c.setdefault("image", config.images.for_type(rtype))
+    c.setdefault("imagePullPolicy", config.images.pull_policy)
+    if job.spec.training is not None and "command" not in c:
+        c.setdefault("args", list(RUNTIME_ARGS.get(rtype, ["worker"])))
+    c["env"] = _merge_named(_runtime_env(job, rtype, index, config), c.get("env") or [], "name", ours_win=True)
+    ports = [{"name": naming.GRPC_PORT_NAME, "containerPort": config.ports.grpc, "protocol": "TCP"},
+             {"name": naming.METRICS_PORT_NAME, "containerPort": config.ports.metrics, "protocol": "TCP"}]
+    c["ports"] = _merge_named(ports, c.get("ports") or [], "name", ours_win=False)
+    resources = c.get("resources") or copy.deepcopy(config.resources.get(rtype, {}))
+    gpus = (resources.get("requests") or {}).get(naming.GPU_RESOURCE)
+    if gpus is not None:  # extended resources must be limited to what is requested
+        resources.setdefault("limits", {}).setdefault(naming.GPU_RESOURCE, gpus)
+    if resources:
+        c["resources"] = resources
+    c.setdefault("securityContext", copy.deepcopy(config.container_security_context))
+    if config.tmp_volume:
+        mounts = c.get("volumeMounts") or []
+        if not any(m.get("mountPath") == "/tmp" for m in mounts):
+            c["volumeMounts"] = mounts + [{"name": "tmp", "mountPath": "/tmp"}]
+    return c
+
+
+def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig) -> dict[str, Any]:
+    """Pod `<job>-<type>-<index>`: the user's template with the operator's parts filled in."""
+    replica = job.spec.replica_specs[rtype]
+    template = copy.deepcopy(replica.template or {})
+    user_spec: dict[str, Any] = template.get("spec") or {}
+    name = naming.child_pod_name(job.name, rtype, index)
+
+    containers = list(user_spec.get("containers") or [])
+    main = next((c for c in containers if c.get("name") == naming.CONTAINER_NAME), None)
+    tf_container = _container(job, rtype, index, config, main or {})
+    containers = [tf_container if c is main else c for c in containers] if main else [tf_container, *containers]
+
+    spec: dict[str, Any] = {**user_spec}
+    spec["containers"] = containers
+    spec["hostname"] = name
+    spec["subdomain"] = naming.service_name(job.name)
+    spec["restartPolicy"] = POD_RESTART_POLICY[replica.restart_policy]
+    spec.setdefault("enableServiceLinks", False)
+    spec.setdefault("securityContext", copy.deepcopy(config.pod_security_context))
+    if config.tmp_volume and any(m.get("name") == "tmp" and m.get("mountPath") == "/tmp"
+                                 for m in tf_container.get("volumeMounts", [])):
+        spec["volumes"] = _merge_named([{"name": "tmp", "emptyDir": {}}], spec.get("volumes") or [], "name", ours_win=False)
+    if _gpu_requested(tf_container.get("resources") or {}):
+        toleration = {"key": naming.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        tolerations = spec.get("tolerations") or []
+        if not any(t.get("key") == naming.GPU_RESOURCE for t in tolerations):
+            spec["tolerations"] = tolerations + [toleration]
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(job, name, naming.replica_labels(job.name, rtype, index), template.get("metadata")),
+        "spec": spec,
+    }
+
+
+def desired_pods(job: TrainingJob, config: OperatorConfig) -> list[dict[str, Any]]:
+    """Every pod of the job, in creation order (PS first: workers wait for them anyway)."""
+    order = (ReplicaType.PS, ReplicaType.CHIEF, ReplicaType.WORKER, ReplicaType.EVALUATOR)
+    return [build_pod(job, rtype, i, config) for rtype in order for i in range(job.spec.replicas(rtype))]

@@ -1,0 +1,83 @@
+"""Operator configuration: pod defaults (images, ports, resources, security) and timings.
+
+Read from a YAML file (the Helm chart mounts its values there) named by `--config` or
+$TFPS_OPERATOR_CONFIG; every field has a default, so no file is needed to start.
+Field names are camelCase, as in the chart's values.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from tfps.runtime.spec import ReplicaType
+from tfps.runtime.tfconfig import GRPC_PORT, METRICS_PORT
+
+ENV_CONFIG_FILE = "TFPS_OPERATOR_CONFIG"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Images(_Model):
+    ps: str = "tfps/ps:0.1.0"
+    worker: str = "tfps/worker:0.1.0"  # also Chief and Evaluator
+    pull_policy: str = "IfNotPresent"
+
+    def for_type(self, rtype: ReplicaType) -> str:
+        return self.ps if rtype is ReplicaType.PS else self.worker
+
+
+class Ports(_Model):
+    grpc: int = Field(GRPC_PORT, ge=1, le=65535)
+    metrics: int = Field(METRICS_PORT, ge=1, le=65535)
+
+
+def _default_resources() -> dict[str, dict[str, Any]]:
+    return {
+        "PS": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        "Worker": {"requests": {"cpu": "1", "memory": "2Gi"}},
+        "Chief": {"requests": {"cpu": "1", "memory": "2Gi"}},
+        "Evaluator": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+    }
+
+
+def _default_pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _default_container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+class OperatorConfig(_Model):
+    images: Images = Field(default_factory=Images)
+    ports: Ports = Field(default_factory=Ports)
+    # Per replica type, used when the user's template gives the container no resources.
+    resources: dict[ReplicaType, dict[str, Any]] = Field(default_factory=_default_resources)
+    pod_security_context: dict[str, Any] = Field(default_factory=_default_pod_security)
+    container_security_context: dict[str, Any] = Field(default_factory=_default_container_security)
+    # With a read-only root filesystem, TensorFlow still needs a writable /tmp.
+    tmp_volume: bool = True
+    # Seconds between resyncs of a job when nothing happened (events wake it sooner).
+    resync_seconds: float = Field(30.0, gt=0)
+    # Seconds between reads of the PS pods' metrics for status.progress.
+    progress_seconds: float = Field(10.0, gt=0)
+    # Threads doing API calls for reconciles (jobs are reconciled concurrently).
+    reconcile_workers: int = Field(16, ge=1)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "OperatorConfig":
+        path = path or os.environ.get(ENV_CONFIG_FILE)
+        if not path:
+            return cls()
+        with open(path) as fh:
+            data = yaml.safe_load(fh) or {}
+        return cls.model_validate(data)
