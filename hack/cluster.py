@@ -1,0 +1,602 @@
+#!/usr/bin/env python3
+"""Start and stop the local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler) and the local node on 127.0.0.1, with state, PKI and logs in one folder.
+
+Usage: hack/cluster.sh up | down [--purge] | status | env | kubeconfig | logs
+
+Standard library only, so it runs before the project's virtual environment exists; the local node
+(hack/localnode.py) runs with the venv's Python.
+
+State folder ($TFPS_STATE, default <repo>/.tfps):
+  cluster.json   ports and URL of the running control plane
+  pki/           CA, serving cert, admin client cert, service-account key pair
+  kubeconfig     admin kubeconfig (system:masters)
+  etcd/          etcd data (wiped whenever etcd starts cold: the cluster lives as long as its processes)
+  pids/          one pid file per component
+  logs/          one log per component
+  pods/          the local node's pod logs and runtime files
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("tfps.cluster")
+
+REPO = Path(__file__).resolve().parent.parent
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "localnode")
+CONTROL_PLANE = COMPONENTS[:4]
+SERVICE_CIDR = "10.96.0.0/24"  # allocated on paper only: nothing ever dials a ClusterIP here
+NODE_NAME = "tfps-local"
+
+
+def read_versions() -> dict[str, str]:
+    out = {}
+    for line in (REPO / "hack" / "versions.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            k, v = line.split("=", 1)
+            out[k] = v
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TFPS_CACHE") or Path.home() / ".cache" / "tfps")
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("TFPS_STATE") or REPO / ".tfps")
+
+
+def bin_dir() -> Path:
+    return cache_dir() / "bin" / "current"
+
+
+def binary(name: str) -> Path:
+    """Path of a control-plane tool: the `current` link folder, else the versioned build folder."""
+    link = bin_dir() / name
+    if link.exists():
+        return link
+    v = read_versions()
+    versioned = {
+        "etcd": f"etcd-{v['ETCD_VERSION']}/etcd",
+        "helm": f"helm-{v['HELM_VERSION']}/helm",
+        "kwok": f"kwok-{v['KWOK_VERSION']}/kwok",
+    }.get(name, f"kubernetes-{v['KUBERNETES_VERSION']}/{name}")
+    return cache_dir() / "bin" / versioned
+
+
+def missing_binaries() -> list[str]:
+    names = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+    return [n for n in names if not os.access(binary(n), os.X_OK)]
+
+
+def venv_python() -> str:
+    cand = REPO / ".venv" / "bin" / "python"
+    return str(cand) if cand.exists() else sys.executable
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths and recorded state
+
+
+@dataclass
+class Paths:
+    root: Path
+
+    @property
+    def pki(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids"
+
+    @property
+    def etcd_data(self) -> Path:
+        return self.root / "etcd"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.root / "kubeconfig"
+
+    @property
+    def info(self) -> Path:
+        return self.root / "cluster.json"
+
+    def pidfile(self, comp: str) -> Path:
+        return self.pids / f"{comp}.pid"
+
+    def logfile(self, comp: str) -> Path:
+        return self.logs / f"{comp}.log"
+
+    @property
+    def sessions(self) -> Path:
+        return self.root / "sessions"
+
+
+@contextlib.contextmanager
+def locked(p: Paths):
+    """Serialises up/down/release of one state folder (several test sessions may share it)."""
+    p.root.mkdir(parents=True, exist_ok=True)
+    with open(p.root / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def load_info(p: Paths) -> dict:
+    try:
+        return json.loads(p.info.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes, by recorded pid (checked against /proc so a recycled pid is never signalled)
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":
+        return None
+    return int(fields[19])
+
+
+def recorded_pid(p: Paths, comp: str) -> int | None:
+    """The component's pid if the process we recorded is still the one running."""
+    try:
+        rec = json.loads(p.pidfile(comp).read_text())
+    except (OSError, ValueError):
+        return None
+    pid = rec.get("pid")
+    if not pid or proc_start_ticks(pid) != rec.get("start"):
+        return None
+    return pid
+
+
+def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
+    p.logs.mkdir(parents=True, exist_ok=True)
+    p.pids.mkdir(parents=True, exist_ok=True)
+    with open(p.logfile(comp), "ab") as out:
+        out.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} start {' '.join(argv)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env, cwd=p.root)
+    p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid)}))
+    log.info("started %s pid=%d log=%s", comp, proc.pid, p.logfile(comp))
+    return proc.pid
+
+
+def stop(p: Paths, comp: str, timeout: float = 15.0) -> None:
+    pid = recorded_pid(p, comp)
+    if pid is None:
+        p.pidfile(comp).unlink(missing_ok=True)
+        return
+    log.info("stopping %s pid=%d", comp, pid)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and recorded_pid(p, comp) is not None:
+        time.sleep(0.1)
+    if recorded_pid(p, comp) is not None:
+        log.warning("%s did not stop in %.0fs: SIGKILL", comp, timeout)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        while recorded_pid(p, comp) is not None:
+            time.sleep(0.1)
+    p.pidfile(comp).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# PKI and kubeconfig
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def ensure_pki(p: Paths) -> None:
+    d = p.pki
+    if (d / ".complete").exists():
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    log.info("creating PKI in %s", d)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+            "-days", "3650", "-subj", "/CN=tfps-local-ca",
+            "-addext", "basicConstraints=critical,CA:TRUE",
+            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=d)
+
+    def leaf(name: str, subj: str, ext: str) -> None:
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", subj, cwd=d)
+        (d / f"{name}.ext").write_text(ext)
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.crt", "-days", "3650", "-extfile", f"{name}.ext", cwd=d)
+
+    sans = ",".join(["IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+                     "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"])
+    leaf("apiserver", "/CN=kube-apiserver",
+         f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+         f"extendedKeyUsage=serverAuth\nsubjectAltName={sans}\n")
+    leaf("admin", "/O=system:masters/CN=tfps-admin",
+         "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+         "extendedKeyUsage=clientAuth\n")
+    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=d)
+    openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+    for f in d.glob("*.key"):
+        f.chmod(0o600)
+    (d / ".complete").touch()
+
+
+def write_kubeconfig(p: Paths, url: str) -> None:
+    pki = p.pki
+    text = f"""apiVersion: v1
+kind: Config
+clusters:
+- name: tfps-local
+  cluster:
+    server: {url}
+    certificate-authority: {pki / 'ca.crt'}
+users:
+- name: tfps-admin
+  user:
+    client-certificate: {pki / 'admin.crt'}
+    client-key: {pki / 'admin.key'}
+contexts:
+- name: tfps-local
+  context: {{cluster: tfps-local, user: tfps-admin, namespace: default}}
+current-context: tfps-local
+"""
+    p.kubeconfig.write_text(text)
+    p.kubeconfig.chmod(0o600)
+
+
+# ---------------------------------------------------------------------------------------------
+# Health
+
+
+def ssl_context(p: Paths) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(p.pki / "ca.crt"))
+    ctx.load_cert_chain(str(p.pki / "admin.crt"), str(p.pki / "admin.key"))
+    return ctx
+
+
+def api_get(p: Paths, url: str, path: str, timeout: float = 3.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url + path, context=ssl_context(p), timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (OSError, ssl.SSLError) as e:
+        return 0, str(e).encode()
+
+
+def etcd_healthy(info: dict) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{info['etcd_port']}/health", timeout=2) as r:
+            return json.loads(r.read()).get("health") == "true"
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def wait_for(what: str, check, timeout: float, comp: str, p: Paths) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if recorded_pid(p, comp) is None:
+            raise SystemExit(f"{comp} exited while waiting for {what}; see {p.logfile(comp)}:\n"
+                             + tail(p.logfile(comp)))
+        time.sleep(0.3)
+    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}; see {p.logfile(comp)}:\n"
+                     + tail(p.logfile(comp)))
+
+
+def tail(path: Path, n: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Components
+
+
+def etcd_argv(p: Paths, info: dict) -> list[str]:
+    client = f"http://127.0.0.1:{info['etcd_port']}"
+    peer = f"http://127.0.0.1:{info['etcd_peer_port']}"
+    return [str(binary("etcd")), "--name=tfps", f"--data-dir={p.etcd_data}",
+            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=tfps={peer}", "--unsafe-no-fsync", "--log-level=warn",
+            "--quota-backend-bytes=4294967296"]
+
+
+def apiserver_argv(p: Paths, info: dict) -> list[str]:
+    pki = p.pki
+    return [str(binary("kube-apiserver")),
+            f"--etcd-servers=http://127.0.0.1:{info['etcd_port']}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            f"--secure-port={info['apiserver_port']}",
+            f"--cert-dir={pki}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            f"--service-account-issuer=https://127.0.0.1:{info['apiserver_port']}",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            "--authorization-mode=RBAC",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--endpoint-reconciler-type=none",
+            "--allow-privileged=true",
+            "--profiling=false",
+            "--v=1"]
+
+
+def controller_manager_argv(p: Paths, info: dict) -> list[str]:
+    pki = p.pki
+    return [str(binary("kube-controller-manager")),
+            f"--kubeconfig={p.kubeconfig}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
+            # No cloud, no pod CIDRs: leave out the controllers that only make sense with them.
+            "--controllers=*,-cloud-node-lifecycle-controller,-node-ipam-controller,"
+            "-service-lb-controller,-node-route-controller",
+            "--profiling=false", "--v=1"]
+
+
+def scheduler_argv(p: Paths, info: dict) -> list[str]:
+    return [str(binary("kube-scheduler")), f"--kubeconfig={p.kubeconfig}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
+            "--profiling=false", "--v=1"]
+
+
+def localnode_argv(p: Paths, info: dict, extra: list[str]) -> list[str]:
+    return [venv_python(), str(REPO / "hack" / "localnode.py"), "run",
+            f"--kubeconfig={p.kubeconfig}", f"--state-dir={p.root}", *extra]
+
+
+ARGV = {"etcd": etcd_argv, "kube-apiserver": apiserver_argv,
+        "kube-controller-manager": controller_manager_argv, "kube-scheduler": scheduler_argv}
+
+
+def default_sa_exists(p: Paths, url: str) -> bool:
+    code, _ = api_get(p, url, "/api/v1/namespaces/default/serviceaccounts/default")
+    return code == 200
+
+
+def node_ready(p: Paths, url: str) -> bool:
+    code, body = api_get(p, url, f"/api/v1/nodes/{NODE_NAME}")
+    if code != 200:
+        return False
+    conds = json.loads(body).get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def live_sessions(p: Paths) -> list[int]:
+    out = []
+    for f in p.sessions.glob("*") if p.sessions.exists() else []:
+        try:
+            pid, start = json.loads(f.read_text())
+        except (OSError, ValueError):
+            pid = start = None
+        if pid and proc_start_ticks(pid) == start:
+            out.append(pid)
+        else:
+            f.unlink(missing_ok=True)
+    return out
+
+
+def register_session(p: Paths, pid: int) -> None:
+    p.sessions.mkdir(parents=True, exist_ok=True)
+    (p.sessions / str(pid)).write_text(json.dumps([pid, proc_start_ticks(pid)]))
+
+
+def release(p: Paths, pid: int) -> bool:
+    """Ends a session's use of the cluster; the last session out stops a cluster a session started."""
+    (p.sessions / str(pid)).unlink(missing_ok=True)
+    others = live_sessions(p)
+    if others or load_info(p).get("owner") != "session":
+        log.info("cluster left running (sessions still using it: %s)", others or "none, started by hand")
+        return False
+    down(p, purge=False)
+    return True
+
+
+def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = None) -> dict:
+    missing = missing_binaries()
+    if missing:
+        raise SystemExit(f"control-plane binaries not built: {', '.join(missing)} "
+                         f"(looked in {bin_dir()}); run hack/build-cluster.sh")
+    t0 = time.monotonic()
+    p.root.mkdir(parents=True, exist_ok=True)
+    ensure_pki(p)
+    info = load_info(p)
+    running = {c: recorded_pid(p, c) is not None for c in COMPONENTS}
+    started: list[str] = []
+    if session:
+        register_session(p, session)
+
+    if not running["etcd"]:
+        # A cold etcd starts empty, and everything above it restarts against it.
+        for comp in reversed(COMPONENTS[1:]):
+            stop(p, comp)
+            running[comp] = False
+        shutil.rmtree(p.etcd_data, ignore_errors=True)
+        info = {"etcd_port": free_port(), "etcd_peer_port": free_port(), "apiserver_port": free_port(),
+                "owner": "session" if session else "manual"}
+        while len({info["etcd_port"], info["etcd_peer_port"], info["apiserver_port"]}) < 3:
+            info["apiserver_port"] = free_port()
+        info["apiserver_url"] = f"https://127.0.0.1:{info['apiserver_port']}"
+        p.info.write_text(json.dumps(info, indent=1))
+        write_kubeconfig(p, info["apiserver_url"])
+        spawn(p, "etcd", etcd_argv(p, info))
+        started.append("etcd")
+        wait_for("etcd /health", lambda: etcd_healthy(info), 60, "etcd", p)
+    url = info["apiserver_url"]
+    if not p.kubeconfig.exists():
+        write_kubeconfig(p, url)
+
+    if not running["kube-apiserver"]:
+        if not port_free(info["apiserver_port"]):
+            raise SystemExit(f"port {info['apiserver_port']} is taken by another process; "
+                             f"run `hack/cluster.sh down` and `up` again")
+        spawn(p, "kube-apiserver", apiserver_argv(p, info))
+        started.append("kube-apiserver")
+    wait_for("kube-apiserver /readyz", lambda: api_get(p, url, "/readyz")[0] == 200, 120, "kube-apiserver", p)
+
+    for comp in ("kube-controller-manager", "kube-scheduler"):
+        if not running[comp]:
+            spawn(p, comp, ARGV[comp](p, info))
+            started.append(comp)
+    wait_for("the default ServiceAccount (controller-manager)", lambda: default_sa_exists(p, url), 90,
+             "kube-controller-manager", p)
+    if recorded_pid(p, "kube-scheduler") is None:
+        raise SystemExit(f"kube-scheduler exited; see {p.logfile('kube-scheduler')}:\n"
+                         + tail(p.logfile("kube-scheduler")))
+
+    if with_node:
+        if not running["localnode"]:
+            spawn(p, "localnode", localnode_argv(p, info, node_args))
+            started.append("localnode")
+        wait_for(f"node {NODE_NAME} Ready", lambda: node_ready(p, url), 60, "localnode", p)
+
+    info = {**info, "started": started, "seconds": round(time.monotonic() - t0, 1)}
+    log.info("cluster up at %s (started: %s) in %.1fs", url, ", ".join(started) or "nothing, reused",
+             info["seconds"])
+    return info
+
+
+def down(p: Paths, purge: bool) -> None:
+    stop(p, "localnode")
+    if (p.root / "pods").exists():
+        # The node leaves pod processes running across its own restarts; a full stop ends them.
+        subprocess.run([venv_python(), str(REPO / "hack" / "localnode.py"), "stop-pods",
+                        f"--state-dir={p.root}"], check=False)
+    for comp in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
+        stop(p, comp)
+    if purge:
+        shutil.rmtree(p.root, ignore_errors=True)
+        log.info("removed %s", p.root)
+
+
+def status(p: Paths) -> int:
+    info = load_info(p)
+    ok = True
+    for comp in COMPONENTS:
+        pid = recorded_pid(p, comp)
+        ok &= pid is not None
+        print(f"{comp:25} {'running pid ' + str(pid) if pid else 'stopped'}")
+    if info:
+        code = api_get(p, info["apiserver_url"], "/readyz")[0] if recorded_pid(p, "kube-apiserver") else 0
+        print(f"{'apiserver':25} {info['apiserver_url']} readyz={code or 'unreachable'}")
+        ok &= code == 200
+    print(f"{'kubeconfig':25} {p.kubeconfig}")
+    print(f"{'logs':25} {p.logs}")
+    return 0 if ok else 1
+
+
+def env_lines(p: Paths) -> list[str]:
+    return [f"export KUBECONFIG={p.kubeconfig}", f"export PATH={bin_dir()}:$PATH"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hack/cluster.sh", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--state-dir", type=Path, default=None, help="default $TFPS_STATE or <repo>/.tfps")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    u = sub.add_parser("up", help="start (or reuse) the control plane and the local node")
+    u.add_argument("--no-node", action="store_true", help="control plane only")
+    u.add_argument("--json", action="store_true", help="print what was started as JSON")
+    u.add_argument("--session", type=int, help="pid of a test session using the cluster (see `release`)")
+    u.add_argument("node_args", nargs="*", help="extra flags for hack/localnode.py run (after --)")
+    d = sub.add_parser("down", help="stop everything started from this state folder")
+    d.add_argument("--purge", action="store_true", help="also delete the state folder")
+    r = sub.add_parser("release", help="a session is done; the last one out stops a cluster sessions started")
+    r.add_argument("--session", type=int, required=True)
+    sub.add_parser("status", help="show components; exit 1 unless all run and the API is ready")
+    sub.add_parser("env", help="print shell exports (eval \"$(hack/cluster.sh env)\")")
+    sub.add_parser("kubeconfig", help="print the kubeconfig path")
+    sub.add_parser("logs", help="print the logs folder")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    p = Paths(args.state_dir or state_dir())
+    if args.cmd == "up":
+        with locked(p):
+            info = up(p, not args.no_node, args.node_args, args.session)
+        if args.json:
+            print(json.dumps({**info, "kubeconfig": str(p.kubeconfig), "state_dir": str(p.root)}))
+        else:
+            print("\n".join(env_lines(p)))
+        return 0
+    if args.cmd == "down":
+        with locked(p):
+            down(p, args.purge)
+        return 0
+    if args.cmd == "release":
+        with locked(p):
+            release(p, args.session)
+        return 0
+    if args.cmd == "status":
+        return status(p)
+    if args.cmd == "env":
+        print("\n".join(env_lines(p)))
+        return 0
+    if args.cmd == "kubeconfig":
+        print(p.kubeconfig)
+        return 0
+    if args.cmd == "logs":
+        print(p.logs)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

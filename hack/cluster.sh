@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The local control plane and local node: hack/cluster.sh up | down [--purge] | status | env | kubeconfig | logs
+# (see hack/cluster.py). Runs with the project's venv when present, else the system python3.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+py=python3
+[ -x "$here/../.venv/bin/python" ] && py="$here/../.venv/bin/python"
+exec "$py" "$here/cluster.py" "$@"

@@ -1,0 +1,145 @@
+"""Shared fixtures: the local control plane with its local node (`cluster`), and a fresh namespace
+per test (`namespace`).
+
+The cluster comes from hack/cluster.sh (state in $TFPS_STATE, default <repo>/.tfps). A cluster that
+is already up is reused; one that a test session started is stopped when the last session using it
+ends (set TFPS_KEEP_CLUSTER=1 to keep it for the next run).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_SH = REPO / "hack" / "cluster.sh"
+
+
+def _hack_cluster():
+    spec = importlib.util.spec_from_file_location("tfps_hack_cluster", REPO / "hack" / "cluster.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class CommandFailed(subprocess.CalledProcessError):
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+
+
+@dataclass
+class Cluster:
+    kubeconfig: Path
+    env: dict  # os.environ + KUBECONFIG + PATH with the control-plane tools first
+    api: object  # kubernetes.client.ApiClient
+    state_dir: Path
+    apiserver_url: str
+    node_name: str = "tfps-local"
+
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
+        proc = subprocess.run(["kubectl", *args], env=self.env, input=input, capture_output=True, text=True,
+                              timeout=timeout)
+        if check and proc.returncode != 0:
+            raise CommandFailed(proc.returncode, proc.args, proc.stdout, proc.stderr)
+        return proc
+
+    def wait_pod(self, namespace: str, name: str, until, timeout: float = 90, what: str = "condition"):
+        """Polls a pod (a kubernetes V1Pod) until `until(pod)` is true; fails with its last status."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        core = client.CoreV1Api(self.api)
+        deadline = time.monotonic() + timeout
+        pod = None
+        while time.monotonic() < deadline:
+            try:
+                pod = core.read_namespaced_pod(name, namespace)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+                pod = None
+            if until(pod):
+                return pod
+            time.sleep(0.25)
+        raise AssertionError(f"pod {namespace}/{name}: no {what} within {timeout}s; last: "
+                             f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}")
+
+    def pod_log(self, namespace: str, pod: str, container: str = "tensorflow") -> str:
+        """What the local node captured of a pod's container output."""
+        path = self.state_dir / "pods" / namespace / pod / f"{container}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    hc = _hack_cluster()
+    missing = hc.missing_binaries()
+    if missing:
+        pytest.skip(f"control-plane binaries not built ({', '.join(missing)} missing under {hc.bin_dir()}); "
+                    f"run `make cluster-tools` (hack/build-cluster.sh)")
+    state = hc.state_dir()
+    session = os.getpid()
+    proc = subprocess.run([str(CLUSTER_SH), "up", "--json", f"--session={session}"], capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"hack/cluster.sh up failed ({proc.returncode}):\n{proc.stderr[-4000:]}", pytrace=False)
+    import json
+
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    from kubernetes import config
+
+    kubeconfig = Path(info["kubeconfig"])
+    env = dict(os.environ)
+    env["KUBECONFIG"] = str(kubeconfig)
+    env["PATH"] = f"{hc.bin_dir()}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    try:
+        yield Cluster(kubeconfig=kubeconfig, env=env, api=api, state_dir=state,
+                      apiserver_url=info["apiserver_url"])
+    finally:
+        api.close()
+        if os.environ.get("TFPS_KEEP_CLUSTER") != "1":
+            subprocess.run([str(CLUSTER_SH), "release", f"--session={session}"], timeout=300, check=False)
+
+
+def _namespace_name(test_name: str) -> str:
+    base = re.sub(r"[^a-z0-9]+", "-", test_name.lower()).strip("-")
+    base = re.sub(r"^test-", "", base)[:52].strip("-") or "t"
+    return f"{base}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def namespace(cluster, request):
+    """A fresh namespace named after the test, with its default ServiceAccount in place (pods are
+    refused until the controller-manager creates it). Deleted afterwards without waiting."""
+    from kubernetes import client
+    from kubernetes.client.rest import ApiException
+
+    core = client.CoreV1Api(cluster.api)
+    name = _namespace_name(request.node.name)
+    core.create_namespace({"metadata": {"name": name, "labels": {"tfps.io/test": "true"}}})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            core.read_namespaced_service_account("default", name)
+            break
+        except ApiException as e:
+            if e.status != 404 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    yield name
+    try:
+        core.delete_namespace(name)
+    except ApiException as e:
+        if e.status != 404:
+            raise

@@ -1,0 +1,154 @@
+"""The local control plane built by hack/ is a real one: CRD validation, RBAC, garbage collection
+and scheduling are done by the real kube-apiserver, controller-manager and scheduler."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+CRD = """
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: widgets.test.tfps.io}
+spec:
+  group: test.tfps.io
+  scope: Namespaced
+  names: {plural: widgets, singular: widget, kind: Widget}
+  versions:
+  - name: v1
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema:
+        type: object
+        properties:
+          spec:
+            type: object
+            required: [size]
+            properties:
+              size: {type: integer, minimum: 1, maximum: 10}
+"""
+
+
+def widget(size) -> str:
+    return f"apiVersion: test.tfps.io/v1\nkind: Widget\nmetadata: {{name: w{size}}}\nspec: {{size: {size}}}\n"
+
+
+def test_crd_object_validated_by_api_server(cluster, namespace):
+    cluster.kubectl("apply", "-f", "-", input=CRD)
+    cluster.kubectl("wait", "--for=condition=Established", "crd/widgets.test.tfps.io", "--timeout=60s")
+    # The discovery cache of a fresh CRD can lag a moment behind Established.
+    deadline = time.monotonic() + 30
+    while (r := cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget(3), check=False)).returncode:
+        assert time.monotonic() < deadline, r.stderr
+        time.sleep(1)
+    assert cluster.kubectl("get", "widget", "w3", "-n", namespace, "-o", "jsonpath={.spec.size}").stdout == "3"
+
+    too_big = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget(11), check=False)
+    assert too_big.returncode != 0
+    assert "spec.size" in too_big.stderr and "less than or equal to 10" in too_big.stderr
+    wrong_type = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget('"big"'), check=False)
+    assert wrong_type.returncode != 0 and "spec.size" in wrong_type.stderr
+    assert cluster.kubectl("get", "widget", "w11", "-n", namespace, check=False).returncode != 0
+
+
+def token_client(cluster, namespace: str, sa: str) -> client.ApiClient:
+    core = client.CoreV1Api(cluster.api)
+    tr = core.create_namespaced_service_account_token(sa, namespace, {"spec": {"audiences": [],
+                                                                               "expirationSeconds": 600}})
+    cfg = client.Configuration()
+    cfg.host = cluster.apiserver_url
+    cfg.ssl_ca_cert = str(cluster.state_dir / "pki" / "ca.crt")
+    cfg.api_key = {"authorization": tr.status.token}
+    cfg.api_key_prefix = {"authorization": "Bearer"}
+    return client.ApiClient(cfg)
+
+
+def test_rbac_enforced_for_service_account_token(cluster, namespace):
+    core = client.CoreV1Api(cluster.api)
+    rbac = client.RbacAuthorizationV1Api(cluster.api)
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "reader"}})
+    rbac.create_namespaced_role(namespace, {
+        "metadata": {"name": "pod-reader"},
+        "rules": [{"apiGroups": [""], "resources": ["pods", "configmaps"], "verbs": ["get", "list"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}]})
+
+    as_reader = client.CoreV1Api(token_client(cluster, namespace, "reader"))
+    deadline = time.monotonic() + 30  # the authorizer's informer sees the new binding shortly
+    while True:
+        try:
+            as_reader.list_namespaced_pod(namespace)
+            break
+        except ApiException as e:
+            assert e.status == 403 and time.monotonic() < deadline, e
+            time.sleep(0.5)
+    as_reader.list_namespaced_config_map(namespace)
+
+    for denied in (lambda: as_reader.create_namespaced_config_map(namespace, {"metadata": {"name": "x"}}),
+                   lambda: as_reader.list_namespaced_secret(namespace),
+                   lambda: as_reader.list_namespaced_pod("default")):
+        with pytest.raises(ApiException) as err:
+            denied()
+        assert err.value.status == 403
+        assert "system:serviceaccount:" + namespace + ":reader" in err.value.body
+
+
+def test_owner_reference_garbage_collection(cluster, namespace):
+    core = client.CoreV1Api(cluster.api)
+    owner = core.create_namespaced_config_map(namespace, {"metadata": {"name": "owner"}, "data": {"a": "1"}})
+    core.create_namespaced_config_map(namespace, {
+        "metadata": {"name": "child", "ownerReferences": [
+            {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner.metadata.uid}]},
+        "data": {"b": "2"}})
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "bystander"}})
+
+    core.delete_namespaced_config_map("owner", namespace, propagation_policy="Background")
+    deadline = time.monotonic() + 90
+    while True:
+        names = {c.metadata.name for c in core.list_namespaced_config_map(namespace).items}
+        if "child" not in names:
+            break
+        assert time.monotonic() < deadline, f"child not collected: {names}"
+        time.sleep(0.5)
+    assert "bystander" in names
+
+
+def gpu_pod(name: str, gpus: int) -> dict:
+    return {"metadata": {"name": name}, "spec": {
+        "restartPolicy": "Never",
+        "containers": [{"name": "tensorflow", "image": "tfps/worker:test",
+                        "command": ["python", "-c", "print('fits')"],
+                        "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
+
+
+def test_scheduler_binds_only_pods_that_fit(cluster, namespace):
+    core = client.CoreV1Api(cluster.api)
+    node = core.read_node(cluster.node_name)
+    gpus = int(node.status.allocatable["nvidia.com/gpu"])
+    core.create_namespaced_pod(namespace, gpu_pod("fits", 1))
+    core.create_namespaced_pod(namespace, gpu_pod("too-big", gpus + 1))
+
+    done = cluster.wait_pod(namespace, "fits", lambda p: p.status.phase == "Succeeded", what="Succeeded")
+    assert done.spec.node_name == cluster.node_name
+
+    def unschedulable(p):
+        return any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+                   for c in p.status.conditions or [])
+
+    big = cluster.wait_pod(namespace, "too-big", unschedulable, what="PodScheduled=False")
+    assert big.status.phase == "Pending" and big.spec.node_name is None
+    assert "nvidia.com/gpu" in next(c.message for c in big.status.conditions if c.type == "PodScheduled")
+    deadline = time.monotonic() + 30
+    while True:
+        events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=too-big").items
+        if any(e.reason == "FailedScheduling" for e in events):
+            break
+        assert time.monotonic() < deadline, [e.reason for e in events]
+        time.sleep(0.5)
