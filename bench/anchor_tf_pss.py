@@ -1,0 +1,176 @@
+"""Anchor: TensorFlow's own ParameterServerStrategy on the benchmark MLP.
+
+`python -m tfps.bench.anchor_tf_pss --hidden 512,512 --workers 2 --ps 1 --seconds 15`
+starts the worker and PS servers (tf.distribute.Server) as separate processes on
+127.0.0.1, runs the coordinator (ParameterServerStrategy + ClusterCoordinator, async)
+in this process, and prints one JSON line with the steady-state examples/s: the steps
+completed between the end of the warm-up and the end of the timed window, start-up
+excluded.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from . import mlp
+from .procs import LOOPBACK, child_env, free_port, module_cmd
+
+MODULE = "tfps.bench.anchor_tf_pss"
+log = logging.getLogger(MODULE)
+
+CHUNK_PER_WORKER = 16  # steps scheduled at a time, per worker
+MAX_CHUNKS_IN_FLIGHT = 2  # bounds the coordinator's queue so the window ends on time
+
+
+def cluster_spec(workers: int, ps: int) -> dict[str, list[str]]:
+    return {
+        "chief": [f"{LOOPBACK}:{free_port()}"],
+        "worker": [f"{LOOPBACK}:{free_port()}" for _ in range(workers)],
+        "ps": [f"{LOOPBACK}:{free_port()}" for _ in range(ps)],
+    }
+
+
+def serve(cluster: dict[str, list[str]], job: str, index: int) -> None:
+    """Run one tf.distribute.Server until the launching process goes away."""
+    import tensorflow as tf
+
+    parent = os.getppid()
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc", start=True
+    )
+    print("READY", flush=True)
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    del server
+
+
+def start_servers(cluster: dict[str, list[str]]) -> list[subprocess.Popen]:
+    procs = []
+    for job in ("ps", "worker"):
+        for index in range(len(cluster[job])):
+            cmd = module_cmd(MODULE, "--serve", "--cluster", json.dumps(cluster), "--job", job, "--index", str(index))
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=child_env(), text=True))
+    for proc in procs:
+        for line in proc.stdout:
+            if line.strip() == "READY":
+                break
+        else:
+            raise RuntimeError(f"a tf.distribute.Server did not start (exit code {proc.wait()})")
+    return procs
+
+
+def measure(args: argparse.Namespace) -> dict:
+    import tensorflow as tf
+
+    hidden = mlp.parse_hidden(args.hidden)
+    model = mlp.load(args.input_dim, hidden, args.classes, args.seed)
+    cluster = cluster_spec(args.workers, args.ps)
+    servers = start_servers(cluster)
+    try:
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        with strategy.scope():
+            params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, mlp.initial_values(model, args.seed))]
+        lr = tf.constant(args.learning_rate, tf.float32)
+
+        def dataset_fn(context):
+            # each worker starts at its own place in the data
+            return mlp.tf_dataset(model, args.batch, offset=context.input_pipeline_id if context else 0)
+
+        @tf.function
+        def per_worker_dataset_fn():
+            return strategy.distribute_datasets_from_function(dataset_fn)
+
+        iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+        @tf.function
+        def step_fn(it):
+            def replica_fn(x, y):
+                with tf.GradientTape() as tape:
+                    loss = mlp.loss_fn(model, params, x, y)
+                for var, grad in zip(params, tape.gradient(loss, params)):
+                    var.assign_sub(lr * grad)  # plain SGD, applied on the variable's PS
+                return loss
+
+            x, y = next(it)
+            return strategy.run(replica_fn, args=(x, y))
+
+        chunk = CHUNK_PER_WORKER * args.workers
+        warm_start = time.perf_counter()
+        while True:  # at least one chunk (tracing), then until the warm-up time is spent
+            for _ in range(chunk):
+                coordinator.schedule(step_fn, args=(iterator,))
+            coordinator.join()
+            if time.perf_counter() - warm_start >= args.warmup_seconds:
+                break
+
+        in_flight: collections.deque[list] = collections.deque()
+        steps = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < args.seconds:
+            in_flight.append([coordinator.schedule(step_fn, args=(iterator,)) for _ in range(chunk)])
+            steps += chunk
+            if len(in_flight) > MAX_CHUNKS_IN_FLIGHT:
+                for value in in_flight.popleft():
+                    value.fetch()
+        coordinator.join()
+        elapsed = time.perf_counter() - start
+        loss = float(in_flight[-1][-1].fetch()) if in_flight else float("nan")
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait()
+    return {
+        "system": "tf_pss",
+        "steps": steps,
+        "seconds": elapsed,
+        "examples_per_second": steps * args.batch / elapsed,
+        "loss": loss,
+        "workers": args.workers,
+        "ps": args.ps,
+        "params": mlp.param_count(args.input_dim, hidden, args.classes),
+    }
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-dim", type=int, default=784)
+    parser.add_argument("--hidden", default="512,512", help="hidden widths, comma-separated")
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=128, help="per worker")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=15.0, help="timed window after the warm-up")
+    parser.add_argument("--warmup-seconds", type=float, default=3.0, help="untimed steps before the window")
+    parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tfps.bench.anchor_tf_pss", description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cluster", help=argparse.SUPPRESS)
+    parser.add_argument("--job", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.serve:
+        serve(json.loads(args.cluster), args.job, args.index)
+        return 0
+    print(json.dumps(measure(args)), flush=True)
+    # The servers are gone: skip TF's teardown of the remote context, which would only log
+    # connection errors about them.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""tfps's side of the benchmark: a generated TrainingJob run by `tfps local --json`.
+
+The manifest trains the built-in `mlp` with the shape's sizes, batch, workers and PS, plain
+SGD like the anchors, no checkpoints. `tfps local` reports the steady-state
+examples/s (start-up excluded) in its JSON result.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+
+import yaml
+
+from .mlp import MODEL, Shape
+from .procs import MeasurementError, module_cmd, run_json
+
+MIN_STEPS = 50
+STARTUP_ALLOWANCE_S = 120.0  # processes importing TensorFlow on a busy 2-core machine
+
+
+def steps_for(mode: str, shape: Shape, examples: float) -> int:
+    """spec.training.steps that train about `examples` examples.
+
+    `steps` counts PS versions: in sync mode one version is a step of every worker, in async
+    and bounded mode one version is one worker's push."""
+    per_version = shape.batch * (shape.workers if mode == "sync" else 1)
+    return max(MIN_STEPS, math.ceil(examples / per_version))
+
+
+def manifest(shape: Shape, mode: str, steps: int, learning_rate: float = 0.01, seed: int = 0) -> dict:
+    """The TrainingJob that `tfps local` runs for one measurement."""
+    return {
+        "apiVersion": "tfps.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": f"bench-{shape.name.lower().replace('.', '-')}-{mode}"},
+        "spec": {
+            "replicaSpecs": {
+                "PS": {"replicas": shape.ps, "restartPolicy": "Never"},
+                "Worker": {"replicas": shape.workers, "restartPolicy": "Never"},
+            },
+            "training": {
+                "model": MODEL,
+                "modelArgs": shape.model_args,
+                "seed": seed,
+                "optimizer": {"name": "sgd", "learningRate": learning_rate},
+                "batchSize": shape.batch,
+                "steps": steps,
+                "consistency": {"mode": mode},
+            },
+            "runPolicy": {"backoffLimit": 0},
+        },
+    }
+
+
+def measure(shape: Shape, mode: str, examples: float, expected_rate: float, learning_rate: float = 0.01, seed: int = 0) -> dict:
+    """Run the manifest for about `examples` examples; `expected_rate` (examples/s) sizes the timeout."""
+    steps = steps_for(mode, shape, examples)
+    timeout = STARTUP_ALLOWANCE_S + 8 * examples / max(expected_rate, 1.0)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="tfps-bench-") as fh:
+        yaml.safe_dump(manifest(shape, mode, steps, learning_rate, seed), fh)
+        fh.flush()
+        result = run_json(module_cmd("tfps.cli.main", "local", fh.name, "--json"), timeout, f"tfps local ({shape.name}, {mode})")
+    rate = result.get("examples_per_second")
+    if not isinstance(rate, (int, float)) or rate <= 0:
+        raise MeasurementError(f"tfps local ({shape.name}, {mode}): no examples_per_second in {result}")
+    return {"system": f"tfps_{mode}", "steps": steps, **result}

@@ -1,0 +1,69 @@
+"""`tfps bench`'s generated inputs: the TrainingJob for `tfps local`, the shapes, the settings."""
+import argparse
+
+import pytest
+
+from tfps.bench import goodput, main, mlp, procs, tfps_side
+from tfps.runtime.models import load_model
+from tfps.runtime.spec import ConsistencyMode, OptimizerName, TrainingJob
+
+
+def test_shapes_are_issue_3s():
+    small, large = mlp.SHAPES["670k"], mlp.SHAPES["5.8M"]
+    assert (small.params, small.workers, small.ps, small.batch) == (669_706, 2, 1, 128)
+    assert (large.params, large.workers, large.ps, large.batch) == (5_824_522, 2, 2, 128)
+    # the same sizes as tfps's own built-in model
+    assert sum(p.size for p in load_model("mlp", large.model_args).params) == large.params
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_manifest_is_a_valid_training_job(mode):
+    shape = mlp.SHAPES["5.8M"]
+    job = TrainingJob.model_validate(tfps_side.manifest(shape, mode, steps=321, learning_rate=0.05))
+    training = job.spec.training
+    assert job.spec.replicas("PS") == 2 and job.spec.replicas("Worker") == 2
+    assert training.model == "mlp" and training.model_args == {"inputDim": 784, "hidden": [2048, 2048], "classes": 10}
+    assert training.batch_size == 128 and training.steps == 321
+    assert training.consistency.mode == ConsistencyMode(mode)
+    assert training.optimizer.name == OptimizerName.SGD and training.optimizer.learning_rate == 0.05
+    assert training.checkpoint.path is None
+    assert job.name == f"bench-5-8m-{mode}"
+
+
+def test_steps_count_ps_versions():
+    shape = mlp.SHAPES["670k"]
+    # async: a version per push of one worker's batch; sync: per step of all workers
+    assert tfps_side.steps_for("async", shape, 128 * 1000) == 1000
+    assert tfps_side.steps_for("sync", shape, 128 * 1000) == 500
+    assert tfps_side.steps_for("async", shape, 10) == tfps_side.MIN_STEPS
+
+
+def test_goodput_model_has_the_asked_size():
+    for mib in (16, 64, 256):
+        params = load_model("mlp", goodput.model_args_for(mib)).params
+        size_mib = sum(p.size for p in params) * 4 / goodput.MIB
+        assert mib * 0.98 < size_mib <= mib * 1.001
+
+
+def test_quick_overrides_the_time_knobs():
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    cfg = main.settings(parser.parse_args(["--quick", "--seconds", "20"]))
+    assert cfg["seconds"] == main.QUICK["seconds"] and cfg["repeats"] == 1
+    cfg = main.settings(parser.parse_args(["--shapes", "670k", "--repeats", "5"]))
+    assert cfg["shapes"] == ["670k"] and cfg["repeats"] == 5 and cfg["seconds"] == 15.0
+    with pytest.raises(ValueError):
+        main.settings(parser.parse_args(["--repeats", "0"]))
+
+
+def test_last_json_line_skips_logs():
+    text = 'WARNING something\n{"a": 1}\nnot json {\n{"b": 2}\ntrailing log line\n'
+    assert procs.last_json_line(text) == {"b": 2}
+    with pytest.raises(procs.MeasurementError):
+        procs.last_json_line("no result here\n")
+
+
+def test_children_never_use_a_proxy():
+    env = procs.child_env({"X": "1"})
+    assert "http_proxy" not in env and "HTTPS_PROXY" not in env
+    assert env["TF_CPP_MIN_LOG_LEVEL"] in ("0", "1", "2", "3") and env["X"] == "1"
