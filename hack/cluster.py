@@ -2,7 +2,8 @@
 """Start and stop the local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler) and the local node on 127.0.0.1, with state, PKI and logs in one folder.
 
-Usage: hack/cluster.sh up | down [--purge] | status | env | kubeconfig | logs
+Usage: hack/cluster.sh up | down [--purge] | stop COMPONENT... | release --session PID | status | env |
+       kubeconfig | logs
 
 Standard library only, so it runs before the project's virtual environment exists; the local node
 (hack/localnode.py) runs with the venv's Python.
@@ -195,6 +196,22 @@ def recorded_pid(p: Paths, comp: str) -> int | None:
     return pid
 
 
+def code_version(comp: str) -> str | None:
+    """For the local node (our own code): a digest of its source, so `up` restarts a stale one."""
+    if comp != "localnode":
+        return None
+    import hashlib
+
+    return hashlib.sha1((REPO / "hack" / "localnode.py").read_bytes()).hexdigest()[:12]
+
+
+def recorded_code(p: Paths, comp: str) -> str | None:
+    try:
+        return json.loads(p.pidfile(comp).read_text()).get("code")
+    except (OSError, ValueError):
+        return None
+
+
 def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
     p.logs.mkdir(parents=True, exist_ok=True)
     p.pids.mkdir(parents=True, exist_ok=True)
@@ -203,7 +220,8 @@ def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
         out.flush()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env, cwd=p.root)
-    p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid)}))
+    p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid),
+                                           "code": code_version(comp)}))
     log.info("started %s pid=%d log=%s", comp, proc.pid, p.logfile(comp))
     return proc.pid
 
@@ -503,6 +521,10 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
                          + tail(p.logfile("kube-scheduler")))
 
     if with_node:
+        if running["localnode"] and recorded_code(p, "localnode") != code_version("localnode"):
+            log.info("hack/localnode.py changed since the local node started: restarting it (pods are adopted)")
+            stop(p, "localnode")
+            running["localnode"] = False
         if not running["localnode"]:
             spawn(p, "localnode", localnode_argv(p, info, node_args))
             started.append("localnode")
@@ -560,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--purge", action="store_true", help="also delete the state folder")
     r = sub.add_parser("release", help="a session is done; the last one out stops a cluster sessions started")
     r.add_argument("--session", type=int, required=True)
+    st = sub.add_parser("stop", help="stop single components (`up` starts them again)")
+    st.add_argument("components", nargs="+", choices=COMPONENTS)
     sub.add_parser("status", help="show components; exit 1 unless all run and the API is ready")
     sub.add_parser("env", help="print shell exports (eval \"$(hack/cluster.sh env)\")")
     sub.add_parser("kubeconfig", help="print the kubeconfig path")
@@ -579,6 +603,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "down":
         with locked(p):
             down(p, args.purge)
+        return 0
+    if args.cmd == "stop":
+        with locked(p):
+            for comp in args.components:
+                stop(p, comp)
         return 0
     if args.cmd == "release":
         with locked(p):

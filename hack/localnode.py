@@ -753,7 +753,8 @@ class PodWorker(threading.Thread):
             status = self.status()
             if status != self.last_status:
                 self.write_status(status)
-            self.wake.wait(POLL)
+            # a finished pod only waits for its deletion: no need to poll it often
+            self.wake.wait(5.0 if self.terminal else POLL)
             self.wake.clear()
 
     def check_runnable(self) -> None:

@@ -7,6 +7,7 @@ import ipaddress
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -266,3 +267,33 @@ def test_pod_env_volumes_and_service_account(cluster, namespace):
     assert out["env"] == {"POD_NAME": "inspect", "POD_NS": namespace, "NODE": cluster.node_name,
                           "PASSWORD": "s3cret", "MODE": "sync", "GREETING": "hi inspect",
                           "KUBERNETES_SERVICE_HOST": "127.0.0.1"}
+
+
+def test_node_restart_adopts_running_pods(cluster, namespace):
+    """A restarted local node neither loses nor duplicates a pod's process, and still learns its
+    exit code."""
+    import subprocess
+
+    code = ("import os, sys, time\nprint('pid', os.getpid(), flush=True)\n"
+            "while not os.path.exists('/scratch/go'): time.sleep(0.2)\nsys.exit(5)\n")
+    body = pod("survivor", code, volumes=[{"name": "scratch", "emptyDir": {}}],
+               container={"volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]})
+    uid = core(cluster).create_namespaced_pod(namespace, body).metadata.uid
+    cluster.wait_pod(namespace, "survivor", running, what="Running")
+    pid = pid_in_log(cluster, namespace, "survivor")
+
+    cluster_sh = str(Path(__file__).resolve().parents[2] / "hack" / "cluster.sh")
+    env = {**cluster.env, "TFPS_STATE": str(cluster.state_dir)}
+    subprocess.run([cluster_sh, "stop", "localnode"], env=env, check=True, timeout=60)
+    assert pid_alive(pid)
+    subprocess.run([cluster_sh, "up"], env=env, check=True, timeout=300, capture_output=True)
+    time.sleep(2)  # give a duplicate, if there were one, the time to start
+    assert pid_alive(pid)
+    assert cluster.pod_log(namespace, "survivor").count("pid ") == 1
+    p = core(cluster).read_namespaced_pod("survivor", namespace)
+    assert p.status.phase == "Running" and p.status.container_statuses[0].restart_count == 0
+
+    (cluster.state_dir / "run" / uid / "volumes" / "scratch" / "go").touch()
+    p = cluster.wait_pod(namespace, "survivor", phase_is("Succeeded", "Failed"), what="a final phase")
+    assert p.status.phase == "Failed"
+    assert p.status.container_statuses[0].state.terminated.exit_code == 5
