@@ -24,9 +24,7 @@ class Sample:
 
 def parse(text: str) -> dict[str, float]:
     """The PS metrics the status needs, from one /metrics page."""
-    wanted = {# Straight to the pod: never through an HTTP proxy from the environment.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-STEP, LOSS, EXAMPLES}
+    wanted = {STEP, LOSS, EXAMPLES}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -77,7 +77,8 @@ def _count_in_place_restarts(status: dict, pods: list[PodView]) -> tuple[int, di
         if pod.restarts > before:
             added += pod.restarts - before
             restarted.append(pod)
-        new_seen[pod.name] = f"{pod.uid}:{max(pod.restarts, before)}"
+        if max(pod.restarts, before) > 0:
+            new_seen[pod.name] = f"{pod.uid}:{max(pod.restarts, before)}"
     return added, new_seen, restarted
 
 

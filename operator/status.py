@@ -121,3 +121,19 @@ def set_condition(conditions: list[dict], ctype: str, true: bool, reason: str, m
     new = {"type": ctype, "status": status, "reason": reason, "message": message, "lastUpdateTime": timestamp(now),
            "lastTransitionTime": timestamp(now) if not old or old.get("status") != status else old.get("lastTransitionTime")}
     return [new if c.get("type") == ctype else c for c in conditions] if old else [*conditions, new]
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`; {} when equal."""
+    patch: dict[str, Any] = {}
+    for key in old.keys() - new.keys():
+        patch[key] = None
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, dict):
+            sub = merge_patch(before, value)
+            if sub:
+                patch[key] = sub
+        elif value != before or key not in old:
+            patch[key] = value
+    return patch

@@ -1,0 +1,151 @@
+"""Thin kopf handlers: settings, one reconcile loop (daemon) per TrainingJob, wake-ups on
+pod and spec changes, a progress timer, and cleanup on deletion.
+
+`register()` binds them to a registry with the operator's configuration, so nothing
+happens at import time and the timer's interval comes from the configuration.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+
+from . import naming
+from .config import OperatorConfig
+from .controller import Controller
+from .metrics import OperatorMetrics
+
+RETRY_SECONDS = 2.0  # after an API error, before the next attempt
+
+
+@dataclass
+class Runtime:
+    """What the handlers share: the controller and a wake-up flag per job."""
+
+    controller: Controller
+    config: OperatorConfig
+    metrics: OperatorMetrics
+    peering_name: str
+    log_level: int = logging.INFO
+    wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+    seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    def wake_job(self, namespace: str, name: str) -> None:
+        event = self.wake.get((namespace, name))
+        if event is not None:
+            event.set()
+
+
+def _post_events(body: dict, events: list[tuple[str, str, str]]) -> None:
+    for kind, reason, message in events:
+        kopf.event(body, type=kind, reason=reason, message=message[:1024])
+
+
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:
+    """Until the job is woken, the daemon is stopped, or `delay` seconds pass."""
+    async def until_stopped() -> None:
+        await stopped.wait()
+
+    waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(until_stopped())]
+    try:
+        await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()
+
+
+def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    resource = dict(group=API_GROUP, version=API_VERSION, plural=PLURAL, registry=registry)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Our own finalizer and annotation names, so that the objects say who holds them.
+        settings.persistence.finalizer = f"{API_GROUP}/operator"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=API_GROUP, key="last-handled-configuration")
+        # Events come from "tfps-operator"; kopf's own per-handler log events stay off the
+        # jobs (ours say what happened in the user's words).
+        settings.posting.reporting_component = naming.MANAGED_BY
+        settings.posting.level = logging.WARNING
+        # Leader election: replicas sharing the peering object pause unless they have the
+        # highest priority (main.py gives each a distinct one); a dead leader's record
+        # expires after `lifetime` seconds and a standby takes over.
+        settings.peering.name = rt.peering_name
+        settings.peering.lifetime = 30
+        settings.peering.stealth = True
+        # Watches are re-established every few minutes, so a silently dropped connection
+        # never leaves a job without events for long.
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.watching.connect_timeout = 10
+        # Sync handlers (none are long) share the reconcile thread budget.
+        settings.execution.max_workers = rt.config.reconcile_workers
+        # A hung API call must not stall a job's loop forever.
+        settings.networking.request_timeout = 60
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # The same credentials as our own API client (in-cluster, else KUBECONFIG).
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.daemon(**resource, cancellation_timeout=5.0)
+    async def job_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
+        """Reconcile the job whenever something changes, and at least every resyncSeconds."""
+        key = (namespace, name)
+        wake = rt.wake.setdefault(key, asyncio.Event())
+        try:
+            while not stopped:
+                wake.clear()
+                delay = rt.config.resync_seconds
+                try:
+                    outcome = await asyncio.to_thread(rt.controller.reconcile, namespace, name)
+                except Exception as err:  # API unavailable, conflict...: retried, never fatal
+                    rt.metrics.reconcile_errors.inc()
+                    logger.warning("reconcile failed, retrying in %.0fs: %s", RETRY_SECONDS, err)
+                    outcome, delay = None, RETRY_SECONDS
+                else:
+                    if outcome is None:
+                        return  # gone or being deleted: the deletion handler takes over
+                    rt.seen_generation[key] = outcome.body["metadata"].get("generation", 0)
+                    rt.metrics.job_phase(key, outcome.plan.status.get("phase"))
+                    _post_events(outcome.body, outcome.plan.events)
+                    if outcome.plan.requeue_after is not None:
+                        delay = min(delay, outcome.plan.requeue_after + 0.05)
+                await _sleep(wake, stopped, delay)
+        finally:
+            if rt.wake.get(key) is wake:
+                del rt.wake[key]
+
+    @kopf.on.event(**resource)
+    def job_event(name: str, namespace: str, meta: kopf.Meta, **_: Any) -> None:
+        # Spec changes (scale, suspend) bump the generation; our own status writes do not.
+        if meta.get("generation") != rt.seen_generation.get((namespace, name)):
+            rt.wake_job(namespace, name)
+
+    @kopf.on.event("", "v1", "pods", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY, naming.LABEL_JOB: kopf.PRESENT},
+                   registry=registry)
+    def pod_event(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+        rt.wake_job(namespace, labels[naming.LABEL_JOB])
+
+    @kopf.timer(**resource, interval=rt.config.progress_seconds, initial_delay=rt.config.progress_seconds)
+    async def read_progress(name: str, namespace: str, status: kopf.Status, memo: kopf.Memo,
+                            patch: kopf.Patch, **_: Any) -> None:
+        if status.get("phase") not in ("Running", "Restarting"):
+            return
+        new, memo.sample = await asyncio.to_thread(
+            rt.controller.read_progress, namespace, name, getattr(memo, "sample", None))
+        if new:
+            patch.status["progress"] = new
+
+    @kopf.on.delete(**resource)
+    async def delete_children(name: str, namespace: str, uid: str, **_: Any) -> None:
+        # Owner references would do it too, but the garbage collector may take a while.
+        rt.metrics.job_phase((namespace, name), None)
+        rt.seen_generation.pop((namespace, name), None)
+        await asyncio.to_thread(rt.controller.delete_children, namespace, name, uid)

@@ -1,0 +1,129 @@
+"""The Kubernetes API calls the operator makes (blocking; run in worker threads).
+
+Objects go in and come out as plain dicts in the API's own (camelCase) shape, the shape
+the builders produce and the reconcile plan reads.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from kubernetes import client, config as kube_config
+from kubernetes.client.rest import ApiException
+
+from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+
+from . import naming
+
+log = logging.getLogger(__name__)
+
+
+def api_client(pool_size: int = 16) -> client.ApiClient:
+    """An API client from the pod's service account, else from KUBECONFIG."""
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        kube_config.load_kube_config()
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = pool_size
+    return client.ApiClient(configuration)
+
+
+def _json(resp) -> Any:
+    return json.loads(resp.data)
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient):
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+
+    def get_job(self, namespace: str, name: str) -> dict | None:
+        try:
+            return _json(self.custom.get_namespaced_custom_object(
+                API_GROUP, API_VERSION, namespace, PLURAL, name, _preload_content=False))
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def patch_job_status(self, namespace: str, name: str, patch: dict) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            API_GROUP, API_VERSION, namespace, PLURAL, name, {"status": patch},
+            _content_type="application/merge-patch+json")
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                API_GROUP, API_VERSION, namespace, PLURAL, name, propagation_policy="Foreground")
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def list_pods(self, namespace: str, job: str) -> list[dict]:
+        resp = self.core.list_namespaced_pod(
+            namespace, label_selector=naming.label_selector(naming.job_selector(job)), _preload_content=False)
+        return _json(resp)["items"]
+
+    def create(self, body: dict) -> bool:
+        """Create a Pod or Service; False when it already exists (creating twice is harmless)."""
+        namespace = body["metadata"]["namespace"]
+        try:
+            if body["kind"] == "Pod":
+                self.core.create_namespaced_pod(namespace, body, _preload_content=False)
+            else:
+                self.core.create_namespaced_service(namespace, body, _preload_content=False)
+            return True
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+
+    def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
+        try:
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds, _preload_content=False)
+            return True
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+
+    def delete_children(self, namespace: str, job: str, job_uid: str) -> int:
+        """Delete the pods and the Service of a job being deleted (only those it owns)."""
+        deleted = 0
+        for pod in self.list_pods(namespace, job):
+            owners = pod["metadata"].get("ownerReferences") or []
+            if any(o.get("uid") == job_uid for o in owners):
+                deleted += self.delete_pod(namespace, pod["metadata"]["name"])
+        try:
+            svc = self.core.read_namespaced_service(naming.service_name(job), namespace)
+            if any(o.uid == job_uid for o in (svc.metadata.owner_references or [])):
+                self.core.delete_namespaced_service(svc.metadata.name, namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+        return deleted
+
+    def ensure_peering(self, name: str, namespace: str | None) -> bool:
+        """Create kopf's peering object if missing (without it replicas cannot see each
+        other); False when kopf's peering CRDs are not installed."""
+        body = {"apiVersion": "kopf.dev/v1", "metadata": {"name": name}}
+        try:
+            if namespace is None:
+                self.custom.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings",
+                                                         {**body, "kind": "ClusterKopfPeering"})
+            else:
+                self.custom.create_namespaced_custom_object("kopf.dev", "v1", namespace, "kopfpeerings",
+                                                            {**body, "kind": "KopfPeering"})
+        except ApiException as err:
+            if err.status == 409:
+                return True
+            if err.status == 404:
+                return False
+            if err.status == 403:
+                log.warning("not allowed to create kopf peering %r in %s: it must exist for leader election",
+                            name, namespace or "the cluster")
+                return True
+            raise
+        return True
