@@ -6,6 +6,7 @@ not been built yet (`hack/build-cluster.sh`) or promtool is not installed.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -140,7 +141,7 @@ def test_defaults_render_operator_without_prometheus_operator_objects():
     dash = one(docs, "ConfigMap", "-dashboard")
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     for d in docs:
-        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"):
             assert d["metadata"]["namespace"] == "tfps-system", d["metadata"]["name"]
 
 
@@ -192,17 +193,41 @@ def test_rbac_has_no_wildcards(sets):
 
 @needs_helm
 def test_rbac_covers_what_the_operator_touches():
+    """The API calls of tfps.operator (kube.py, kopf's handlers, peering), and no more."""
     rules = _rules(render())
     allowed = {(g, res, v) for _, r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
-    for res, verbs in {"trainingjobs": "get list watch patch", "trainingjobs/status": "patch"}.items():
+    needed = {
+        ("tfps.io", "trainingjobs"): "get list watch patch delete",
+        ("tfps.io", "trainingjobs/status"): "patch",
+        ("", "pods"): "get list watch create delete",
+        ("", "services"): "get create delete",
+        ("", "events"): "create",
+        ("kopf.dev", "clusterkopfpeerings"): "get list watch patch",
+        ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
+    }
+    for (group, res), verbs in needed.items():
         for v in verbs.split():
-            assert ("tfps.io", res, v) in allowed
-    for res, verbs in {"pods": "get list watch create delete", "services": "get list watch create delete",
-                       "events": "create"}.items():
-        for v in verbs.split():
-            assert ("", res, v) in allowed, (res, v)
-    # Secrets are not among them: the operator never reads them.
-    assert not any(res == "secrets" for _, res, _ in allowed)
+            assert (group, res, v) in allowed, (group, res, v)
+    # Nothing it does not use: no secrets, no writes to CRDs or peering creation (the chart
+    # creates the peering object), no pod updates.
+    assert not any(res in ("secrets", "configmaps") for _, res, _ in allowed)
+    assert not {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("create", "patch", "delete")} & allowed
+    assert ("kopf.dev", "clusterkopfpeerings", "create") not in allowed
+    assert not {("", "pods", v) for v in ("update", "patch")} & allowed
+
+
+@needs_helm
+@pytest.mark.parametrize("sets, kind, namespaces", [
+    ((), "ClusterKopfPeering", [None]),
+    (("operator.watchNamespaces={team-a,team-b}",), "KopfPeering", ["team-a", "team-b"]),
+])
+def test_peering_object_for_leader_election(sets, kind, namespaces):
+    docs = render(*sets)
+    peerings = of_kind(docs, kind)
+    assert [p["metadata"].get("namespace") for p in peerings] == namespaces
+    args = operator_container(docs)["args"]
+    assert f"--peering={peerings[0]['metadata']['name']}" in args
+    assert "--standalone" not in args
 
 
 @needs_helm
@@ -210,11 +235,12 @@ def test_watch_namespaces_moves_namespaced_rules_into_roles():
     docs = render("operator.watchNamespaces={team-a,team-b}")
     cluster_resources = {res for r in one(docs, "ClusterRole")["rules"] for res in r["resources"]}
     # Only cluster-scoped resources stay in the ClusterRole.
-    assert cluster_resources <= {"customresourcedefinitions", "namespaces", "clusterkopfpeerings"}
+    assert cluster_resources <= {"customresourcedefinitions", "namespaces"}
     roles = of_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in of_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
     assert any("trainingjobs" in r["resources"] for r in roles[0]["rules"])
+    assert any("kopfpeerings" in r["resources"] for r in roles[0]["rules"])
     args = operator_container(docs)["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
 
@@ -390,17 +416,37 @@ def test_alerts_fire_on_the_series_they_watch():
 # --- the CRD copy ------------------------------------------------------------------
 
 
-def test_chart_crd_copy_is_current():
+def _sync_crd():
+    spec = importlib.util.spec_from_file_location("tfps_hack_sync_crd", REPO / "hack" / "sync-crd.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_chart_crd_copies_are_current():
     proc = subprocess.run([sys.executable, str(REPO / "hack" / "sync-crd.py"), "--check"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
+def test_stale_crd_copy_is_caught(tmp_path, monkeypatch):
+    sync = _sync_crd()
+    shutil.copytree(sync.TARGET_DIR, tmp_path / "crds")
+    monkeypatch.setattr(sync, "TARGET_DIR", tmp_path / "crds")
+    want = sync.wanted()
+    assert sync.problems(want) == []
+    copy = tmp_path / "crds" / "trainingjob.yaml"
+    copy.write_text(copy.read_text().replace("replicaSpecs", "tfReplicaSpecs", 1))
+    (tmp_path / "crds" / "old.yaml").write_text("{}\n")
+    assert sync.problems(want) == ["charts/tfps/crds/trainingjob.yaml is stale",
+                                   "charts/tfps/crds/old.yaml has no source in crds/"]
+
+
 @needs_helm
-def test_chart_installs_the_crd():
+def test_chart_installs_the_crds():
     docs = render(include_crds=True)
     crds = {d["metadata"]["name"] for d in of_kind(docs, "CustomResourceDefinition")}
-    assert "trainingjobs.tfps.io" in crds
+    assert crds == {"trainingjobs.tfps.io", "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
 
 
 # --- images ------------------------------------------------------------------------

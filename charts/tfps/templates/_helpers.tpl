@@ -96,6 +96,8 @@ reconcileWorkers: {{ $op.reconcileWorkers }}
 - --log-level={{ $op.logLevel }}
 - --metrics-port={{ $op.metricsPort }}
 - --health-port={{ $op.healthPort }}
+- --log-format={{ $op.logFormat }}
+- --peering={{ include "tfps.peeringName" . }}
 {{- if $op.watchNamespaces }}
 {{- range $op.watchNamespaces }}
 - --namespace={{ . }}
@@ -115,7 +117,8 @@ reconcileWorkers: {{ $op.reconcileWorkers }}
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
 {{- if empty .Values.operator.watchNamespaces }}
-# kopf: peering between operator replicas serving the whole cluster.
+# kopf peering (leader election) among replicas serving the whole cluster; the chart
+# creates the peering object, so no `create`.
 - apiGroups: [kopf.dev]
   resources: [clusterkopfpeerings]
   verbs: [get, list, watch, patch]
@@ -129,31 +132,35 @@ reconcileWorkers: {{ $op.reconcileWorkers }}
 
 {{/* RBAC rules on namespaced resources (ClusterRole when cluster-wide, else a Role per watched namespace). */}}
 {{- define "tfps.namespacedRules" -}}
-# The TrainingJobs: watching them, kopf's finalizer/annotations, and their status.
+# TrainingJobs: watched; patched for kopf's finalizer and annotations; deleted after
+# ttlSecondsAfterFinished; their status written through the status subresource.
 - apiGroups: [tfps.io]
   resources: [trainingjobs]
-  verbs: [get, list, watch, patch, update]
+  verbs: [get, list, watch, patch, delete]
 - apiGroups: [tfps.io]
   resources: [trainingjobs/status]
-  verbs: [get, patch, update]
-# The PS and worker pods and the job's headless Service.
+  verbs: [get, patch]
+# The PS and worker pods (watched, created, deleted; never changed in place).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete, patch]
+  verbs: [get, list, watch, create, delete]
+# Each job's headless Service.
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, delete]
+  verbs: [get, create, delete]
 # Events about the jobs (kopf posts core/v1 events).
 - apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
-- apiGroups: [events.k8s.io]
-  resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- if not (empty .Values.operator.watchNamespaces) }}
-# kopf: peering between operator replicas, per watched namespace.
+# kopf peering (leader election) among replicas, per watched namespace.
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
   verbs: [get, list, watch, patch]
 {{- end }}
+{{- end -}}
+
+{{/* kopf's peering object: shared by the operator replicas (leader election). */}}
+{{- define "tfps.peeringName" -}}
+{{- include "tfps.fullname" . -}}
 {{- end -}}
