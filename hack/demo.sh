@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# `make demo`: a local control plane (or the cluster KUBECONFIG points at), the operator
+# installed by Helm, examples/digits.yaml trained to Succeeded, and a summary of its metrics.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=.venv/bin/python
+ns=${TFPS_DEMO_NAMESPACE:-tfps-demo}
+job_file=${TFPS_DEMO_JOB:-examples/digits.yaml}
+say() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
+
+if [ -n "${KUBECONFIG:-}" ] && [ -f "$KUBECONFIG" ] && kubectl version --request-timeout=5s >/dev/null 2>&1; then
+  say "Reusing the cluster of KUBECONFIG=$KUBECONFIG"
+else
+  say "Starting the local control plane and the local node (hack/cluster.sh up)"
+  hack/cluster.sh up
+  eval "$(hack/cluster.sh env)"
+fi
+export PATH="${TFPS_CACHE:-$HOME/.cache/tfps}/bin/current:$PATH"
+
+say "Installing the operator with Helm (release tfps, namespace tfps-system)"
+helm upgrade --install tfps charts/tfps --namespace tfps-system --create-namespace --wait --timeout 5m
+kubectl -n tfps-system get pods -l app.kubernetes.io/name=tfps
+
+say "Applying $job_file in namespace $ns"
+kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+job=$($py -c 'import sys; from tfps.runtime.spec import load_manifest; print(load_manifest(sys.argv[1]).name)' "$job_file")
+kubectl -n "$ns" delete trainingjob "$job" --ignore-not-found --wait=true >/dev/null
+kubectl -n "$ns" apply -f "$job_file"
+
+say "Training (progress from the TrainingJob's status)"
+$py hack/demo_watch.py --namespace "$ns" --name "$job"
+rc=$?
+
+say "kubectl get tj -n $ns"
+kubectl -n "$ns" get tj -o wide
+exit $rc

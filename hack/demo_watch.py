@@ -1,0 +1,95 @@
+"""Follow one TrainingJob until it ends: a progress bar from its status, then a summary.
+
+Used by `make demo`; reads only what any user can read (the TrainingJob's status and Events).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kubernetes import client, config
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL, TrainingJob
+
+TERMINAL = {"Succeeded", "Failed"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--namespace", required=True)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
+    args = ap.parse_args()
+    config.load_kube_config()
+    api = client.CustomObjectsApi()
+    console = Console()
+
+    def get() -> dict:
+        return api.get_namespaced_custom_object(API_GROUP, API_VERSION, args.namespace, PLURAL, args.name)
+
+    obj = get()
+    steps = TrainingJob.model_validate(obj).spec.training.steps
+    deadline = time.monotonic() + args.timeout
+    phase = ""
+    with Progress(
+        TextColumn("[bold]{task.fields[phase]:<10}"),
+        BarColumn(),
+        TextColumn("step {task.completed:>6.0f}/{task.total:.0f}"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[eps]} ex/s"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as bar:
+        task = bar.add_task("train", total=steps, phase="Pending", loss="-", eps="-")
+        while time.monotonic() < deadline:
+            obj = get()
+            status = obj.get("status") or {}
+            progress = status.get("progress") or {}
+            if status.get("phase") != phase:
+                phase = status.get("phase", "")
+                cond = next((c for c in reversed(status.get("conditions") or []) if c.get("status") == "True"), {})
+                bar.console.log(f"phase {phase}: {cond.get('reason', '')} {cond.get('message', '')}")
+            bar.update(
+                task,
+                completed=progress.get("step", 0),
+                phase=phase or "Pending",
+                loss=f"{progress['loss']:.4f}" if "loss" in progress else "-",
+                eps=f"{progress['examplesPerSecond']:.0f}" if "examplesPerSecond" in progress else "-",
+            )
+            if phase in TERMINAL:
+                break
+            time.sleep(1.0)
+    summary(console, obj)
+    if phase != "Succeeded":
+        console.print(f"[red]{args.name} ended {phase or 'without finishing'} (timeout {args.timeout:.0f} s)")
+        return 1
+    return 0
+
+
+def summary(console: Console, obj: dict) -> None:
+    status = obj.get("status") or {}
+    progress = status.get("progress") or {}
+    meta = obj["metadata"]
+    table = Table(title=f"TrainingJob {meta['namespace']}/{meta['name']}", show_header=False)
+    table.add_row("phase", status.get("phase", "?"))
+    table.add_row("steps", str(progress.get("step", "?")))
+    for key, label, fmt in (("loss", "final loss", "{:.4f}"), ("accuracy", "test accuracy", "{:.4f}"),
+                            ("examplesPerSecond", "examples/s", "{:.0f}")):
+        table.add_row(label, fmt.format(progress[key]) if key in progress else "n/a")
+    table.add_row("started / completed", f"{status.get('startTime', '?')} / {status.get('completionTime', '?')}")
+    console.print(table)
+    console.print(
+        "Metrics: every PS and worker pod serves Prometheus metrics on port 9090 (/metrics); "
+        "the operator on its metrics port. With prometheus-operator, install the chart with "
+        "--set monitoring.podMonitor.enabled=true and import charts/tfps/files/dashboard.json into Grafana. "
+        "Here the local node gives each pod a 127.x address: `kubectl get pods -o wide` shows it, "
+        "and `curl http://<podIP>:9090/metrics` reads a pod's metrics."
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
