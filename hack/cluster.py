@@ -258,37 +258,43 @@ def openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def ensure_pki(p: Paths) -> None:
-    d = p.pki
-    if (d / ".complete").exists():
-        return
-    d.mkdir(parents=True, exist_ok=True)
-    log.info("creating PKI in %s", d)
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-            "-days", "3650", "-subj", "/CN=tfps-local-ca",
-            "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=d)
+SERVING_SANS = ["IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
+                "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"]
+SERVER_EXT = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+CLIENT_EXT = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
+# name -> (subject, extensions); every leaf is signed by the one CA.
+LEAVES = {
+    "apiserver": ("/CN=kube-apiserver", SERVER_EXT + f"subjectAltName={','.join(SERVING_SANS)}\n"),
+    "admin": ("/O=system:masters/CN=tfps-admin", CLIENT_EXT),
+    # the local node's kubelet endpoint (container logs), reached by the apiserver at 127.0.0.1
+    "kubelet": (f"/CN=system:node:{NODE_NAME}", SERVER_EXT + f"subjectAltName=IP:127.0.0.1,DNS:{NODE_NAME}\n"),
+}
 
-    def leaf(name: str, subj: str, ext: str) -> None:
+
+def ensure_pki(p: Paths) -> None:
+    """CA, leaf certificates and the service-account key pair; creates only what is missing."""
+    d = p.pki
+    d.mkdir(parents=True, exist_ok=True)
+    if not (d / "ca.crt").exists():
+        log.info("creating PKI in %s", d)
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+                "-days", "3650", "-subj", "/CN=tfps-local-ca",
+                "-addext", "basicConstraints=critical,CA:TRUE",
+                "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=d)
+    for name, (subj, ext) in LEAVES.items():
+        if (d / f"{name}.crt").exists():
+            continue
         openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
                 "-subj", subj, cwd=d)
         (d / f"{name}.ext").write_text(ext)
         openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", f"{name}.crt", "-days", "3650", "-extfile", f"{name}.ext", cwd=d)
-
-    sans = ",".join(["IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
-                     "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"])
-    leaf("apiserver", "/CN=kube-apiserver",
-         f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-         f"extendedKeyUsage=serverAuth\nsubjectAltName={sans}\n")
-    leaf("admin", "/O=system:masters/CN=tfps-admin",
-         "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-         "extendedKeyUsage=clientAuth\n")
-    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=d)
-    openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+                "-out", f"{name}.crt.tmp", "-days", "3650", "-extfile", f"{name}.ext", cwd=d)
+        (d / f"{name}.crt.tmp").rename(d / f"{name}.crt")
+    if not (d / "sa.pub").exists():
+        openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=d)
+        openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
     for f in d.glob("*.key"):
         f.chmod(0o600)
-    (d / ".complete").touch()
 
 
 def write_kubeconfig(p: Paths, url: str) -> None:
@@ -391,6 +397,11 @@ def apiserver_argv(p: Paths, info: dict) -> list[str]:
             "--authorization-mode=RBAC",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--endpoint-reconciler-type=none",
+            # `kubectl logs` goes through the apiserver to the local node's endpoint on 127.0.0.1 only
+            # (never by the node's host name, which would need a DNS server off the machine).
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={pki / 'admin.crt'}", f"--kubelet-client-key={pki / 'admin.key'}",
+            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
             "--allow-privileged=true",
             "--profiling=false",
             "--v=1"]

@@ -35,13 +35,16 @@ import platform
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 log = logging.getLogger("tfps.localnode")
 
@@ -278,9 +281,12 @@ def signal_group(pid: int, start: int | None, sig: int) -> None:
 # Runs as the container's parent inside its own mount and UTS namespaces: mounts, then runs the
 # command and records its exit code (so a restarted node can still learn it). It ignores the
 # group's SIGTERM itself (a trap, reset for the command on exec) and exits with the command.
+# The exit file and the default working folder are opened before the mounts, which may hide them.
 LAUNCHER = r'''
 set -e
-rundir=$1; workdir=$2; podhost=$3; shift 3
+exitfile=$1; workdir=$2; podhost=$3; shift 3
+exec 9>"$exitfile"
+case "$workdir" in default:*) cd "${workdir#default:}" ;; esac
 while [ "$1" != "--" ]; do
   src=$1; dst=$2; mode=$3; shift 3
   if [ -d "$src" ]; then mkdir -p "$dst"; else mkdir -p "$(dirname "$dst")"; [ -e "$dst" ] || : > "$dst"; fi
@@ -289,12 +295,12 @@ while [ "$1" != "--" ]; do
 done
 shift
 hostname "$podhost" 2>/dev/null || true
-mkdir -p "$workdir"; cd "$workdir"
+case "$workdir" in default:*) ;; *) mkdir -p "$workdir"; cd "$workdir" ;; esac
 set +e
 trap : TERM INT HUP
-"$@"
+"$@" 9>&-
 rc=$?
-echo "$rc" > "$rundir/exit.tmp" && mv "$rundir/exit.tmp" "$rundir/exit"
+echo "$rc" >&9
 exit "$rc"
 '''
 
@@ -349,7 +355,7 @@ class Container:
         try:
             return int((self.rundir / "exit").read_text().strip())
         except (OSError, ValueError):
-            return 137  # killed along with its recording shell
+            return 137  # killed along with its recording shell (the file stays empty)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,6 +387,7 @@ class LocalNode:
         self.ips_file = self.state / "pod-ips.json"
         self.ips: dict[str, str] = self._load_ips()
         self.stopping = threading.Event()
+        self.kubelet_port = 0
         venv_bin = REPO / ".venv" / "bin"
         self.bin_path = str(venv_bin if venv_bin.exists() else Path(sys.executable).parent)
 
@@ -440,12 +447,78 @@ class LocalNode:
                 ],
                 "addresses": [{"type": "InternalIP", "address": HOST_IP},
                               {"type": "Hostname", "address": self.args.node_name}],
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port or 0}},
                 "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": uname.release,
                              "osImage": "tfps local node", "containerRuntimeVersion": RUNTIME,
                              "kubeletVersion": self.kube_version, "kubeProxyVersion": "",
                              "operatingSystem": "linux", "architecture": "amd64"},
             },
         }
+
+    # -- the kubelet endpoint: container logs for `kubectl logs` (via the apiserver) -------------
+
+    def serve_logs(self) -> int:
+        """HTTPS on 127.0.0.1 with client certificates of the cluster CA, like the kubelet's port.
+        Serves /containerLogs/<ns>/<pod>/<container> (tailLines, limitBytes, follow)."""
+        pki = self.state / "pki"
+        files = [pki / "kubelet.crt", pki / "kubelet.key", pki / "ca.crt"]
+        if not all(f.exists() for f in files):
+            ev(logging.WARNING, "no kubelet certificate: `kubectl logs` will not reach this node", pki=str(pki))
+            return 0
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(str(files[0]), str(files[1]))
+        ctx.load_verify_locations(str(files[2]))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        node = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt, *a):
+                log.debug(fmt, *a)
+
+            def do_GET(self):
+                url = urlsplit(self.path)
+                parts = url.path.strip("/").split("/")
+                if len(parts) != 4 or parts[0] != "containerLogs":
+                    self.send_error(501, "the tfps local node serves container logs only")
+                    return
+                ns, pod, container = parts[1:]
+                q = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                path = node.logs_dir / ns / pod / f"{container}.log"
+                if not path.exists():
+                    self.send_error(404, f"no log of container {container} in pod {ns}/{pod}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.end_headers()
+                with open(path, "rb") as f:
+                    data = f.read()
+                    if q.get("tailLines"):
+                        n = int(q["tailLines"])
+                        data = b"".join(data.splitlines(keepends=True)[-n:]) if n > 0 else b""
+                    if q.get("limitBytes"):
+                        data = data[:int(q["limitBytes"])]
+                    self.wfile.write(data)
+                    self.wfile.flush()
+                    while q.get("follow") == "true" and not node.stopping.is_set():
+                        chunk = f.read()
+                        if chunk:
+                            self.wfile.write(chunk)
+                            self.wfile.flush()
+                        elif not node.container_running(ns, pod, container):
+                            break
+                        else:
+                            time.sleep(0.2)
+
+        srv = ThreadingHTTPServer((HOST_IP, self.args.kubelet_port), Handler)
+        srv.daemon_threads = True
+        srv.socket = ctx.wrap_socket(srv.socket, server_side=True, do_handshake_on_connect=False)
+        threading.Thread(target=srv.serve_forever, name="kubelet-endpoint", daemon=True).start()
+        return srv.server_address[1]
+
+    def container_running(self, ns: str, pod: str, container: str) -> bool:
+        with self.lock:
+            workers = [w for w in self.workers.values() if (w.ns, w.pod_name) == (ns, pod)]
+        return any(c.running() for w in workers for c in w.containers if c.name == container)
 
     def register(self) -> None:
         from kubernetes.client.rest import ApiException
@@ -640,6 +713,7 @@ class LocalNode:
             ev(logging.INFO, "cleaned up a pod removed while the node was down", uid=d.name)
 
     def run(self) -> int:
+        self.kubelet_port = self.serve_logs()
         self.register()
         self.renew_lease()
         field = f"spec.nodeName={self.args.node_name}"
@@ -948,14 +1022,15 @@ class PodWorker(threading.Thread):
     def start_container(self, c: Container) -> None:
         env = container_env(self.pod, c.spec, self.ip, self.base_env(), self.node.lookups(self.ns), self.node.alloc)
         argv = container_argv(c.spec, env)
-        workdir = c.spec.get("workingDir") or str(self.dir / "work")
+        workdir = c.spec.get("workingDir") or "default:" + str(self.dir / "work")
+        (self.dir / "work").mkdir(exist_ok=True)
         if c.restarting:
             c.restart_count += 1
             c.restarting = False
         c.rundir.mkdir(parents=True, exist_ok=True)
         (c.rundir / "exit").unlink(missing_ok=True)
         cmd = ["unshare", "--mount", "--uts", "--propagation", "private", "/bin/sh", "-c", LAUNCHER, "launcher",
-               str(c.rundir), workdir, pod_hostname(self.pod)[:63], *self.mount_args(c), "--", *argv]
+               str(c.rundir / "exit"), workdir, pod_hostname(self.pod)[:63], *self.mount_args(c), "--", *argv]
         with open(self.logdir / f"{c.name}.log", "ab") as out:
             c.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                        start_new_session=True, cwd=str(self.dir))
@@ -1121,6 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--pods", default="250")
     r.add_argument("--gpus", default="4", help="nvidia.com/gpu capacity advertised")
     r.add_argument("--ephemeral-storage", default="100Gi")
+    r.add_argument("--kubelet-port", type=int, default=0, help="port of the log endpoint on 127.0.0.1 (0: any)")
     s = sub.add_parser("stop-pods", help="end every pod process this node recorded (after the node is stopped)")
     s.add_argument("--state-dir", required=True, type=Path)
     s.add_argument("--grace", type=float, default=5.0)

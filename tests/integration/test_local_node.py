@@ -297,3 +297,12 @@ def test_node_restart_adopts_running_pods(cluster, namespace):
     p = cluster.wait_pod(namespace, "survivor", phase_is("Succeeded", "Failed"), what="a final phase")
     assert p.status.phase == "Failed"
     assert p.status.container_statuses[0].state.terminated.exit_code == 5
+
+
+def test_kubectl_logs_reads_the_pods_output(cluster, namespace):
+    """`kubectl logs` goes apiserver -> the local node's endpoint on 127.0.0.1 -> the log file."""
+    core(cluster).create_namespaced_pod(namespace, pod("talker", "for i in range(3): print('line', i)"))
+    cluster.wait_pod(namespace, "talker", phase_is("Succeeded", "Failed"), what="a final phase")
+    out = cluster.kubectl("logs", "-n", namespace, "talker").stdout
+    assert out.splitlines() == ["line 0", "line 1", "line 2"]
+    assert cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1").stdout == "line 2\n"
