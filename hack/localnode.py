@@ -254,6 +254,105 @@ def container_argv(container: dict, env: dict[str, str]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Probes (readiness, liveness, startup), aimed at the pod's loopback IP
+
+
+def probe_port(port, container: dict) -> int:
+    if isinstance(port, int) or str(port).isdigit():
+        return int(port)
+    for p in container.get("ports") or []:
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    raise ValueError(f"no container port named {port!r}")
+
+
+def probe_once(probe: dict, ip: str, container: dict, pid: int | None, env: dict) -> tuple[bool, str]:
+    """One probe attempt: (success, what happened)."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    timeout = float(probe.get("timeoutSeconds", 1))
+    try:
+        if "exec" in probe:
+            cmd = ["nsenter", "-t", str(pid), "-m", "-u", "--", *probe["exec"]["command"]]
+            r = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+            return r.returncode == 0, f"exit code {r.returncode}: {(r.stdout + r.stderr).strip()[-200:]}"
+        if "tcpSocket" in probe:
+            t = probe["tcpSocket"]
+            with socket.create_connection((t.get("host") or ip, probe_port(t["port"], container)), timeout=timeout):
+                return True, "connected"
+        if "httpGet" in probe:
+            h = probe["httpGet"]
+            scheme = h.get("scheme", "HTTP").lower()
+            url = f"{scheme}://{h.get('host') or ip}:{probe_port(h['port'], container)}{h.get('path', '/')}"
+            req = urllib.request.Request(url, headers={x["name"]: x["value"] for x in h.get("httpHeaders") or []})
+            handlers = [urllib.request.ProxyHandler({})]  # never through a proxy: loopback only
+            if scheme == "https":
+                handlers.append(urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
+            try:
+                with urllib.request.build_opener(*handlers).open(req, timeout=timeout) as r:
+                    return 200 <= r.status < 400, f"HTTP {r.status}"
+            except urllib.error.HTTPError as e:
+                return False, f"HTTP probe failed with statuscode: {e.code}"
+        if "grpc" in probe:
+            import grpc
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            g = probe["grpc"]
+            with grpc.insecure_channel(f"{ip}:{g['port']}") as ch:
+                resp = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=g.get("service", "")), timeout=timeout)
+                ok = resp.status == health_pb2.HealthCheckResponse.SERVING
+                return ok, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        return False, "unsupported probe handler"
+    except Exception as e:  # a refused connection, a timeout...: the probe failed
+        return False, f"{type(e).__name__}: {e}"
+
+
+class Prober(threading.Thread):
+    """Runs a container's probes while that process runs; reports through the Container's flags."""
+
+    def __init__(self, worker: "PodWorker", c: "Container", env: dict):
+        super().__init__(name=f"probe-{worker.ns}/{worker.pod_name}/{c.name}", daemon=True)
+        self.worker, self.c, self.env, self.pid = worker, c, env, c.pid
+
+    def run(self) -> None:
+        c, spec = self.c, self.c.spec
+        probes = {k: spec[k] for k in ("startupProbe", "livenessProbe", "readinessProbe") if spec.get(k)}
+        t0 = time.monotonic()
+        due = {k: t0 + float(p.get("initialDelaySeconds", 0)) for k, p in probes.items()}
+        ok_n = dict.fromkeys(probes, 0)
+        fail_n = dict.fromkeys(probes, 0)
+        while c.pid == self.pid and c.running() and not self.worker.node.stopping.is_set():
+            now = time.monotonic()
+            for kind, p in probes.items():
+                if now < due[kind] or (kind != "startupProbe" and not c.started_ok):
+                    continue
+                if kind == "startupProbe" and c.started_ok:
+                    continue
+                due[kind] = now + float(p.get("periodSeconds", 10))
+                ok, msg = probe_once(p, self.worker.ip, spec, self.pid, self.env)
+                ok_n[kind], fail_n[kind] = (ok_n[kind] + 1, 0) if ok else (0, fail_n[kind] + 1)
+                failed = fail_n[kind] >= int(p.get("failureThreshold", 3))
+                if not ok:
+                    ev(logging.INFO, "probe failed", probe=kind, result=msg, container=c.name, **self.worker.f())
+                if kind == "startupProbe":
+                    c.started_ok = ok
+                    if failed:
+                        c.kill_reason = f"startup probe failed: {msg}"
+                elif kind == "livenessProbe" and failed:
+                    c.kill_reason = f"liveness probe failed: {msg}"
+                elif kind == "readinessProbe":
+                    if ok and ok_n[kind] >= int(p.get("successThreshold", 1)):
+                        c.ready = True
+                    elif failed:
+                        c.ready = False
+                self.worker.wake.set()
+            time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------------------------------
 # Processes
 
 
@@ -318,6 +417,9 @@ class Container:
     next_start: float = 0.0  # monotonic time of the next (re)start
     done: bool = False  # terminated and not to be restarted
     restarting: bool = False  # the next start is a restart (counted in restartCount)
+    ready: bool = True  # the readiness probe's verdict (True without one)
+    started_ok: bool = True  # the startup probe's verdict (True without one)
+    kill_reason: str | None = None  # set by a failing liveness/startup probe
 
     @property
     def name(self) -> str:
@@ -856,6 +958,12 @@ class PodWorker(threading.Thread):
         for c in self.containers:
             if "running" in c.state and alive(c.pid, c.start):
                 ev(logging.INFO, "adopted running container", container=c.name, pid=c.pid, **self.f())
+                try:
+                    env = container_env(self.pod, c.spec, self.ip, self.base_env(), self.node.lookups(self.ns),
+                                        self.node.alloc)
+                except Exception:
+                    env = self.base_env()
+                self.start_probes(c, env)
             elif "running" in c.state:
                 c.popen = None  # ended while no node watched: its exit code is in the run folder
             elif "terminated" in c.state:
@@ -882,6 +990,11 @@ class PodWorker(threading.Thread):
             self.prepared = True
         now = time.monotonic()
         for c in self.containers:
+            if c.running() and c.kill_reason:
+                ev(logging.INFO, "killing container, it will be restarted per restartPolicy", reason=c.kill_reason,
+                   container=c.name, **self.f())
+                c.kill_reason = None
+                threading.Thread(target=self.kill_gracefully, args=(c.pid, c.start), daemon=True).start()
             if c.running():
                 code = c.poll_exit()
                 if code is not None:
@@ -894,6 +1007,21 @@ class PodWorker(threading.Thread):
                     c.next_start = now + 2
         if all(c.done for c in self.containers):
             self.terminal = True
+
+    def kill_gracefully(self, pid: int, start: int | None) -> None:
+        signal_group(pid, start, signal.SIGTERM)
+        deadline = time.monotonic() + float(self.pod["spec"].get("terminationGracePeriodSeconds", 30))
+        while alive(pid, start) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        signal_group(pid, start, signal.SIGKILL)
+
+    def start_probes(self, c: Container, env: dict) -> None:
+        spec = c.spec
+        c.ready = not spec.get("readinessProbe")
+        c.started_ok = not spec.get("startupProbe")
+        c.kill_reason = None
+        if any(spec.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")):
+            Prober(self, c, env).start()
 
     def exited(self, c: Container, code: int) -> None:
         c.popen = None
@@ -1037,6 +1165,7 @@ class PodWorker(threading.Thread):
         c.pid, c.start = c.popen.pid, proc_start_ticks(c.popen.pid)
         c.state = {"running": {"startedAt": now_rfc3339()}}
         c.record()
+        self.start_probes(c, env)
         ev(logging.INFO, "container started", container=c.name, pid=c.pid, ip=self.ip, argv=argv,
            restart_count=c.restart_count, **self.f())
 
@@ -1119,14 +1248,14 @@ class PodWorker(threading.Thread):
         statuses = []
         for c in self.containers:
             running = c.running()
-            s = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "", "ready": running,
-                 "started": running, "restartCount": c.restart_count, "state": c.state}
+            s = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "", "ready": running and c.ready,
+                 "started": running and c.started_ok, "restartCount": c.restart_count, "state": c.state}
             if c.last_state:
                 s["lastState"] = c.last_state
             if c.pid and "waiting" not in c.state:
                 s["containerID"] = f"tfps://{c.pid}"
             statuses.append(s)
-        ready = phase == "Running" and all(c.running() for c in self.containers)
+        ready = phase == "Running" and all(c.running() and c.ready for c in self.containers)
         not_ready_reason = None if ready else ("PodCompleted" if phase in ("Succeeded", "Failed")
                                                else "ContainersNotReady")
         conds = [self.condition("PodReadyToStartContainers", self.prepared),

@@ -306,3 +306,46 @@ def test_kubectl_logs_reads_the_pods_output(cluster, namespace):
     out = cluster.kubectl("logs", "-n", namespace, "talker").stdout
     assert out.splitlines() == ["line 0", "line 1", "line 2"]
     assert cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1").stdout == "line 2\n"
+
+
+SLOW_SERVER = """
+import http.server, os, time
+time.sleep(3)
+print('serving', flush=True)
+http.server.HTTPServer((os.environ['POD_IP'], 8080), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+def test_readiness_probe_gates_ready(cluster, namespace):
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    body = pod("web", SLOW_SERVER, restart="Always", container={
+        "env": env, "ports": [{"name": "http", "containerPort": 8080}],
+        "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1}})
+    core(cluster).create_namespaced_pod(namespace, body)
+    p = cluster.wait_pod(namespace, "web", running, what="Running")
+    assert p.status.container_statuses[0].ready is False
+    ready = cluster.wait_pod(namespace, "web", lambda p: p.status.container_statuses[0].ready, what="ready")
+    assert {c.type: c.status for c in ready.status.conditions}["Ready"] == "True"
+    assert "serving" in cluster.pod_log(namespace, "web")
+
+
+UNHEALTHY_LATER = """
+import os, sys, time
+if os.path.exists('/state/ran'):
+    print('second run', flush=True); sys.exit(0)
+open('/state/ran', 'w').close(); open('/state/healthy', 'w').close()
+print('first run', flush=True); time.sleep(2); os.remove('/state/healthy'); time.sleep(600)
+"""
+
+
+def test_liveness_probe_failure_restarts_container(cluster, namespace):
+    body = pod("sick", UNHEALTHY_LATER, restart="OnFailure", volumes=[{"name": "state", "emptyDir": {}}], container={
+        "volumeMounts": [{"name": "state", "mountPath": "/state"}],
+        "livenessProbe": {"exec": {"command": ["test", "-f", "/state/healthy"]}, "initialDelaySeconds": 1,
+                          "periodSeconds": 1, "failureThreshold": 2}})
+    core(cluster).create_namespaced_pod(namespace, body)
+    p = cluster.wait_pod(namespace, "sick", phase_is("Succeeded", "Failed"), what="a final phase")
+    assert p.status.phase == "Succeeded", cluster.pod_log(namespace, "sick")
+    cs = p.status.container_statuses[0]
+    assert cs.restart_count == 1 and cs.last_state.terminated.exit_code == 143
+    assert "second run" in cluster.pod_log(namespace, "sick")
