@@ -94,6 +94,7 @@ reconcileWorkers: {{ $op.reconcileWorkers }}
 - operator
 - --config=/etc/tfps/config.yaml
 - --log-level={{ $op.logLevel }}
+- --metrics-address=$(POD_IP)
 - --metrics-port={{ $op.metricsPort }}
 - --health-port={{ $op.healthPort }}
 - --log-format={{ $op.logFormat }}
