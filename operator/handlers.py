@@ -94,7 +94,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         # The same credentials as our own API client (in-cluster, else KUBECONFIG).
         return kopf.login_via_client(**kwargs)
 
-    @kopf.daemon(**resource, cancellation_timeout=5.0)
+    # On deletion or pause the loop is told to stop and gets cancellation_backoff seconds to
+    # finish its pass before it is cancelled.
+    @kopf.daemon(**resource, cancellation_backoff=3.0, cancellation_timeout=5.0)
     async def job_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
         """Reconcile the job whenever something changes, and at least every resyncSeconds."""
         key = (namespace, name)
