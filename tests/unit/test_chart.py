@@ -510,3 +510,54 @@ def test_image_entrypoints_exist():
 
     for dockerfile in DOCKERFILES:
         assert dockerfile.parent.name in SUBCOMMANDS
+
+
+# --- the chart's README ------------------------------------------------------------
+
+README = (CHART / "README.md").read_text() if (CHART / "README.md").exists() else ""
+
+
+def _documented_value_paths() -> list[str]:
+    paths, stack = [], []
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)([A-Za-z_][\w.-]*):", line)
+        if not m:
+            continue
+        while stack and stack[-1][0] >= len(m.group(1)):
+            stack.pop()
+        stack.append((len(m.group(1)), m.group(2)))
+        if i and lines[i - 1].strip().startswith("# --"):
+            paths.append(".".join(k for _, k in stack))
+    return paths
+
+
+def test_readme_lists_every_value():
+    missing = [p for p in _documented_value_paths() if f"`{p}`" not in README]
+    assert not missing, f"charts/tfps/README.md does not list: {missing}"
+
+
+def test_readme_lists_every_metric_and_alert():
+    names = set()
+    for module in (REPO / "runtime" / "metrics.py", REPO / "operator" / "metrics.py"):
+        names |= set(re.findall(r'"(tfps_[a-z_]+)"', module.read_text()))
+    assert names
+    missing = sorted(n for n in names if f"`{n}`" not in README)
+    assert not missing, f"charts/tfps/README.md's metrics reference lacks: {missing}"
+    alerts = [r["alert"] for g in yaml.safe_load(RULES_FILE.read_text())["groups"] for r in g["rules"]]
+    assert all(f"`{a}`" in README for a in alerts)
+
+
+def test_dashboard_and_alerts_use_only_metrics_that_exist():
+    """Every tfps_* series a panel or an alert selects is defined by the runtime or the
+    operator (histograms through their _bucket/_sum/_count series)."""
+    defined = set()
+    for module in (REPO / "runtime" / "metrics.py", REPO / "operator" / "metrics.py"):
+        defined |= set(re.findall(r'"(tfps_[a-z_]+)"', module.read_text()))
+    dash = json.loads(DASHBOARD_FILE.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v.get("query", "") for v in dash["templating"]["list"] if isinstance(v.get("query"), str)]
+    exprs += [r["expr"] for g in yaml.safe_load(RULES_FILE.read_text())["groups"] for r in g["rules"]]
+    used = {m for e in exprs for m in re.findall(r"\b(tfps_[a-z_]+)", e)}
+    unknown = sorted(u for u in used if re.sub(r"_(bucket|sum|count)$", "", u) not in defined)
+    assert not unknown, f"queries of metrics nobody exports: {unknown}"
