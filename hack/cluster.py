@@ -205,11 +205,16 @@ def code_version(comp: str) -> str | None:
     return hashlib.sha1((REPO / "hack" / "localnode.py").read_bytes()).hexdigest()[:12]
 
 
-def recorded_code(p: Paths, comp: str) -> str | None:
+def recorded(p: Paths, comp: str, key: str):
     try:
-        return json.loads(p.pidfile(comp).read_text()).get("code")
+        return json.loads(p.pidfile(comp).read_text()).get(key)
     except (OSError, ValueError):
         return None
+
+
+def stale(p: Paths, comp: str, argv: list[str]) -> bool:
+    """A running component started with other flags (or, for the local node, older code)."""
+    return recorded(p, comp, "argv") != argv or recorded(p, comp, "code") != code_version(comp)
 
 
 def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
@@ -221,7 +226,7 @@ def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env, cwd=p.root)
     p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid),
-                                           "code": code_version(comp)}))
+                                           "code": code_version(comp), "argv": argv}))
     log.info("started %s pid=%d log=%s", comp, proc.pid, p.logfile(comp))
     return proc.pid
 
@@ -513,6 +518,12 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
     if not p.kubeconfig.exists():
         write_kubeconfig(p, url)
 
+    # Components whose flags changed since they started are restarted (etcd never: it would start empty).
+    for comp in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
+        if running[comp] and stale(p, comp, ARGV[comp](p, info)):
+            log.info("%s was started with other flags: restarting it", comp)
+            stop(p, comp)
+            running[comp] = False
     if not running["kube-apiserver"]:
         if not port_free(info["apiserver_port"]):
             raise SystemExit(f"port {info['apiserver_port']} is taken by another process; "
@@ -532,8 +543,8 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
                          + tail(p.logfile("kube-scheduler")))
 
     if with_node:
-        if running["localnode"] and recorded_code(p, "localnode") != code_version("localnode"):
-            log.info("hack/localnode.py changed since the local node started: restarting it (pods are adopted)")
+        if running["localnode"] and stale(p, "localnode", localnode_argv(p, info, node_args)):
+            log.info("the local node's code or flags changed: restarting it (its pods are adopted)")
             stop(p, "localnode")
             running["localnode"] = False
         if not running["localnode"]:

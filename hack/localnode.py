@@ -547,8 +547,9 @@ class LocalNode:
                     cond("PIDPressure", "False", "KubeletHasSufficientPID", "tfps local node"),
                     cond("Ready", "True", "KubeletReady", "tfps local node runs the project's images as processes"),
                 ],
-                "addresses": [{"type": "InternalIP", "address": HOST_IP},
-                              {"type": "Hostname", "address": self.args.node_name}],
+                # InternalIP only: the apiserver then reaches this node at 127.0.0.1, never by a host
+                # name that would need a DNS server off the machine.
+                "addresses": [{"type": "InternalIP", "address": HOST_IP}],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port or 0}},
                 "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": uname.release,
                              "osImage": "tfps local node", "containerRuntimeVersion": RUNTIME,
@@ -639,7 +640,8 @@ class LocalNode:
                 raise
             self.core.patch_node(self.args.node_name, {"metadata": body["metadata"]})
             ev(logging.INFO, "node exists, updating", node=self.args.node_name)
-        self.core.patch_node_status(self.args.node_name, {"status": body["status"]})
+        self.core.patch_node_status(self.args.node_name, {"status": body["status"]},
+                                    _content_type="application/merge-patch+json")
 
     def heartbeat_loop(self) -> None:
         from kubernetes.client.rest import ApiException
@@ -650,7 +652,8 @@ class LocalNode:
                 self.renew_lease()
                 if time.monotonic() - last_status > 40:
                     try:
-                        self.core.patch_node_status(self.args.node_name, {"status": self.node_body()["status"]})
+                        self.core.patch_node_status(self.args.node_name, {"status": self.node_body()["status"]},
+                                                    _content_type="application/merge-patch+json")
                     except ApiException as e:
                         if e.status != 404:
                             raise
