@@ -4,9 +4,10 @@
 prometheus-operator turns a PodMonitor into a Prometheus scrape config; `podmonitor_scrape_config`
 does the same for the parts the chart uses (selector on a label that exists, port name,
 jobLabel, honorLabels, relabelings), so a plain Prometheus (Debian's package) scrapes with
-the PodMonitor's settings. Targets come either from Kubernetes service discovery (a real
-API server) or from static targets that carry the same `__meta_kubernetes_*` labels a pod
-would have (processes on loopback addresses standing for pods).
+the PodMonitor's settings. Targets are static and carry the `__meta_kubernetes_*` labels
+Kubernetes service discovery would give their pods (processes on loopback addresses
+standing for pods); Debian's Prometheus is built without Kubernetes service discovery. A
+Prometheus that has it can be given `kubernetes_sd` instead.
 
     hack/prometheus.py config --podmonitor PM.yaml --target NS/POD=IP:PORT[,label=value...] [--rules FILE]
     hack/prometheus.py run CONFIG --port 9099 --storage DIR
@@ -217,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = sub.add_parser("config", help="print a Prometheus config for a PodMonitor")
     cfg.add_argument("--podmonitor", required=True, type=Path, help="a PodMonitor manifest (e.g. from helm template)")
     cfg.add_argument("--target", action="append", type=_parse_target, default=[], help="NS/POD=IP:PORT[,label=value...]")
-    cfg.add_argument("--kubeconfig-sd", type=Path, help="discover pods through this kubeconfig instead of --target")
     cfg.add_argument("--interval", help="scrape interval (default: the PodMonitor's)")
     cfg.add_argument("--rules", action="append", default=[], help="rule files to load")
     run = sub.add_parser("run", help="run Prometheus on 127.0.0.1")
@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "config":
         pm = next(d for d in yaml.safe_load_all(args.podmonitor.read_text()) if d and d.get("kind") == "PodMonitor")
-        sd = {"kubeconfig_file": str(args.kubeconfig_sd)} if args.kubeconfig_sd else None
-        scrape = podmonitor_scrape_config(pm, static_targets=args.target, kubernetes_sd=sd, interval=args.interval)
+        scrape = podmonitor_scrape_config(pm, static_targets=args.target, interval=args.interval)
         yaml.safe_dump(prometheus_config([scrape], args.rules), sys.stdout, sort_keys=False)
         return 0
     proc = start(args.config, args.storage, args.port, args.storage / "prometheus.log")

@@ -342,6 +342,28 @@ def test_pod_monitor_selects_job_pods_by_label_and_port():
 
 
 @needs_helm
+def test_podmonitor_becomes_a_valid_prometheus_scrape_config(tmp_path):
+    """hack/prometheus.py turns the rendered PodMonitor into what prometheus-operator would
+    generate; promtool accepts it (tests/integration/test_prometheus.py scrapes with it)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed: run hack/install-system-deps.sh")
+    spec = importlib.util.spec_from_file_location("tfps_hack_prometheus_unit", REPO / "hack" / "prometheus.py")
+    prom = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prom)
+    pm = one(render("monitoring.podMonitor.enabled=true"), "PodMonitor")
+    target = prom.PodTarget("ml", "digits-ps-0", "127.0.0.1:9090", {"tfps.io/job-name": "digits"})
+    scrape = prom.podmonitor_scrape_config(pm, static_targets=[target])
+    assert scrape["honor_labels"] is True and scrape["scrape_interval"] == "15s"
+    assert {"source_labels": ["__meta_kubernetes_pod_label_tfps_io_job_name"], "target_label": "job",
+            "regex": "(.+)", "replacement": "${1}"} in scrape["relabel_configs"]
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(prom.prometheus_config([scrape], [str(RULES_FILE)])))
+    proc = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@needs_helm
 def test_service_monitor_selects_the_operator_metrics_service():
     docs = render("monitoring.serviceMonitor.enabled=true")
     sm = one(docs, "ServiceMonitor")["spec"]
