@@ -79,6 +79,21 @@ def ev(level: int, msg: str, **fields) -> None:
     log.log(level, msg, extra={"fields": fields}, exc_info=fields.pop("exc_info", False))
 
 
+def job_fields(pod: dict) -> dict:
+    """The TrainingJob and replica a pod belongs to (the operator's labels), for log lines."""
+    try:
+        from tfps.operator import naming
+    except ImportError:
+        return {}
+    labels = pod["metadata"].get("labels") or {}
+    out = {}
+    if naming.LABEL_JOB in labels:
+        out["job"] = labels[naming.LABEL_JOB]
+    if naming.LABEL_TYPE in labels:
+        out["replica"] = f"{labels[naming.LABEL_TYPE]}-{labels.get(naming.LABEL_INDEX, '')}".rstrip("-")
+    return out
+
+
 def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -878,6 +893,7 @@ class PodWorker(threading.Thread):
         self.dir = node.run_dir / self.uid
         self.logdir = node.logs_dir / self.ns / self.pod_name
         self.ip = node.pod_ip(pod)
+        self.job = job_fields(pod)
         self.containers = [Container(c, self.dir / "containers" / c["name"]) for c in pod["spec"]["containers"]]
         self.prepared = False
         self.mounts: dict[str, Path] = {}
@@ -887,7 +903,7 @@ class PodWorker(threading.Thread):
         self.last_status: dict | None = None
 
     def f(self, **kw) -> dict:
-        return {"pod": f"{self.ns}/{self.pod_name}", **kw}
+        return {"pod": f"{self.ns}/{self.pod_name}", **self.job, **kw}
 
     def update(self, pod: dict) -> None:
         self.pod = pod

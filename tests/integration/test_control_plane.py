@@ -152,3 +152,21 @@ def test_scheduler_binds_only_pods_that_fit(cluster, namespace):
             break
         assert time.monotonic() < deadline, [e.reason for e in events]
         time.sleep(0.5)
+
+
+def test_cluster_sh_up_reuses_a_healthy_cluster(cluster):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    cluster_sh = str(Path(__file__).resolve().parents[2] / "hack" / "cluster.sh")
+    env = {**cluster.env, "TFPS_STATE": str(cluster.state_dir)}
+    up = subprocess.run([cluster_sh, "up", "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stderr
+    assert json.loads(up.stdout.splitlines()[-1])["started"] == []
+    status = subprocess.run([cluster_sh, "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "readyz=200" in status.stdout, status.stdout
+    for comp in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "localnode"):
+        assert (cluster.state_dir / "logs" / f"{comp}.log").stat().st_size > 0
+    exports = subprocess.run([cluster_sh, "env"], env=env, capture_output=True, text=True, check=True).stdout
+    assert f"export KUBECONFIG={cluster.kubeconfig}" in exports

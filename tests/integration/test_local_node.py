@@ -349,3 +349,22 @@ def test_liveness_probe_failure_restarts_container(cluster, namespace):
     cs = p.status.container_statuses[0]
     assert cs.restart_count == 1 and cs.last_state.terminated.exit_code == 143
     assert "second run" in cluster.pod_log(namespace, "sick")
+
+
+def test_two_containers_share_the_pod(cluster, namespace):
+    """Every container of a pod runs, on the pod's one IP; the pod succeeds when both have."""
+    body = pod("pair", "import socket, os\ns = socket.create_server((os.environ['POD_IP'], 7000))\n"
+                       "c, _ = s.accept(); print('main got', c.recv(10).decode())")
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    body["spec"]["containers"][0]["env"] = env
+    body["spec"]["containers"].append({
+        "name": "sidecar", "image": "tfps/ps:test", "env": env, "command": ["python", "-c",
+            "import socket, os, time\nfor _ in range(100):\n    try:\n"
+            "        socket.create_connection((os.environ['POD_IP'], 7000)).sendall(b'hi'); break\n"
+            "    except OSError: time.sleep(0.1)\n"]})
+    core(cluster).create_namespaced_pod(namespace, body)
+    p = cluster.wait_pod(namespace, "pair", phase_is("Succeeded", "Failed"), what="a final phase")
+    assert p.status.phase == "Succeeded", cluster.pod_log(namespace, "pair")
+    assert {c.name: c.state.terminated.exit_code for c in p.status.container_statuses} == {
+        "tensorflow": 0, "sidecar": 0}
+    assert "main got hi" in cluster.pod_log(namespace, "pair")
