@@ -350,6 +350,7 @@ def test_podmonitor_becomes_a_valid_prometheus_scrape_config(tmp_path):
         pytest.skip("promtool not installed: run hack/install-system-deps.sh")
     spec = importlib.util.spec_from_file_location("tfps_hack_prometheus_unit", REPO / "hack" / "prometheus.py")
     prom = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = prom  # its dataclasses look their module up there
     spec.loader.exec_module(prom)
     pm = one(render("monitoring.podMonitor.enabled=true"), "PodMonitor")
     target = prom.PodTarget("ml", "digits-ps-0", "127.0.0.1:9090", {"tfps.io/job-name": "digits"})
