@@ -63,6 +63,7 @@ class WorkerMetrics(_Bound):
         self.compute_seconds = self._make(Histogram, "tfps_worker_compute_seconds", "Time to compute gradients", buckets=_LATENCY_BUCKETS)
         self.loss = self._make(Gauge, "tfps_worker_loss", "Training loss of the last batch")
         self.retries = self._make(Counter, "tfps_worker_rpc_retries_total", "PS calls retried after an unavailable PS")
+        self.eval_accuracy = self._make(Gauge, "tfps_worker_eval_accuracy", "Test-split accuracy of the final parameters (worker 0, at the end)")
 
 
 class PSMetrics(_Bound):

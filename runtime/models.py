@@ -1,0 +1,238 @@
+"""Built-in models and the contract for a user's own (`package.module:function`).
+
+A model is a `ModelDef`: its parameters (names, shapes, initialisers; embedding tables
+marked `sparse`), a pure `forward(params, features) -> logits` written with TensorFlow ops,
+and a `data()` callable returning the train and (optional) test splits as numpy arrays.
+PS processes only read `params`; workers also call `forward` and `data`.
+
+A user model is `function(model_args: dict, seed: int) -> ModelDef`.
+
+Sparse parameters are looked up with `tf.gather(params[name], features[feature])`: the
+worker pulls only the rows a batch touches and hands `forward` those rows with the id
+feature remapped onto them, so the same `forward` serves training (rows), evaluation and
+export (whole tables).
+"""
+from __future__ import annotations
+
+import importlib
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    init: str = "glorot"  # "glorot" | "zeros" | "normal:<stddev>"
+    sparse: bool = False  # an embedding table: pulled and updated by rows
+    feature: str | None = None  # sparse only: the feature holding its ids
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def initial_value(self, seed: int) -> np.ndarray:
+        """Deterministic in (seed, name): every PS and every test sees the same start."""
+        rng = np.random.default_rng([seed, zlib.crc32(self.name.encode())])
+        if self.init == "zeros":
+            return np.zeros(self.shape, np.float32)
+        if self.init.startswith("normal:"):
+            return rng.normal(0.0, float(self.init.split(":", 1)[1]), self.shape).astype(np.float32)
+        if self.init == "glorot":
+            fan_in, fan_out = (self.shape[0], self.shape[-1]) if len(self.shape) > 1 else (self.shape[0], self.shape[0])
+            limit = np.sqrt(6.0 / (fan_in + fan_out))
+            return rng.uniform(-limit, limit, self.shape).astype(np.float32)
+        raise ValueError(f"parameter {self.name}: unknown initialiser {self.init!r}")
+
+
+@dataclass
+class Dataset:
+    x: dict[str, np.ndarray]  # features, all with the same first dimension
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def take(self, idx: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        return {k: v[idx] for k, v in self.x.items()}, self.y[idx]
+
+
+@dataclass
+class ModelDef:
+    params: list[Param]
+    forward: Callable[[dict, dict], Any]  # (params, features) -> logits, TensorFlow ops
+    data: Callable[[], tuple[Dataset, Dataset | None]]
+    loss: str = "softmax"  # "softmax" (integer labels) | "sigmoid" (0/1 labels, one logit)
+    name: str = "model"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def sparse_params(self) -> list[Param]:
+        return [p for p in self.params if p.sparse]
+
+
+def _mlp_params(sizes: list[int], prefix: str = "dense") -> list[Param]:
+    params = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        params.append(Param(f"{prefix}_{i}/kernel", (fan_in, fan_out)))
+        params.append(Param(f"{prefix}_{i}/bias", (fan_out,), init="zeros"))
+    return params
+
+
+def _mlp_forward(params: dict, h, layers: int, prefix: str = "dense"):
+    import tensorflow as tf
+
+    for i in range(layers):
+        h = tf.matmul(h, params[f"{prefix}_{i}/kernel"]) + params[f"{prefix}_{i}/bias"]
+        if i < layers - 1:
+            h = tf.nn.relu(h)
+    return h
+
+
+def _dense_model(name: str, sizes: list[int], data: Callable) -> ModelDef:
+    layers = len(sizes) - 1
+    return ModelDef(
+        params=_mlp_params(sizes),
+        forward=lambda params, x: _mlp_forward(params, x["x"], layers),
+        data=data,
+        name=name,
+    )
+
+
+def digits_mlp(model_args: dict, seed: int) -> ModelDef:
+    """scikit-learn's bundled 8x8 digits (no download), 20 % held out for the test split."""
+    hidden = list(model_args.get("hidden", [128, 64]))
+    test_fraction = float(model_args.get("testFraction", 0.2))
+
+    def data():
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        x = (digits.data / 16.0).astype(np.float32)
+        y = digits.target.astype(np.int64)
+        xtr, xte, ytr, yte = train_test_split(x, y, test_size=test_fraction, random_state=seed, stratify=y)
+        return Dataset({"x": xtr}, ytr), Dataset({"x": xte}, yte)
+
+    return _dense_model("digits-mlp", [64, *hidden, 10], data)
+
+
+def synthetic_mlp(model_args: dict, seed: int) -> ModelDef:
+    """Synthetic classification (a random linear teacher), sized by modelArgs; for benchmarks."""
+    input_dim = int(model_args.get("inputDim", 784))
+    hidden = list(model_args.get("hidden", [512, 512]))
+    classes = int(model_args.get("classes", 10))
+    samples = int(model_args.get("samples", 8192))
+    test_samples = int(model_args.get("testSamples", 1024))
+
+    def data():
+        rng = np.random.default_rng(seed)
+        teacher = rng.normal(size=(input_dim, classes)).astype(np.float32)
+        x = rng.normal(size=(samples + test_samples, input_dim)).astype(np.float32)
+        y = np.argmax(x @ teacher, axis=1).astype(np.int64)
+        return Dataset({"x": x[:samples]}, y[:samples]), Dataset({"x": x[samples:]}, y[samples:])
+
+    return _dense_model("mlp", [input_dim, *hidden, classes], data)
+
+
+def wide_deep(model_args: dict, seed: int) -> ModelDef:
+    """A click model: categorical ids through an embedding table (deep) and a per-id weight
+    table (wide), both sparse; a few dense features. Synthetic, power-law id frequencies."""
+    fields = int(model_args.get("fields", 8))
+    vocab = int(model_args.get("vocabSize", 50_000))
+    dim = int(model_args.get("embeddingDim", 16))
+    dense_dim = int(model_args.get("denseDim", 8))
+    hidden = list(model_args.get("hidden", [64, 32]))
+    samples = int(model_args.get("samples", 32_768))
+    test_samples = int(model_args.get("testSamples", 4096))
+    per_field = vocab // fields
+    sizes = [fields * dim + dense_dim, *hidden, 1]
+    params = [
+        Param("embedding", (per_field * fields, dim), init="normal:0.05", sparse=True, feature="ids"),
+        Param("wide", (per_field * fields, 1), init="zeros", sparse=True, feature="ids"),
+        *_mlp_params(sizes),
+    ]
+
+    def forward(p, x):
+        import tensorflow as tf
+
+        ids = x["ids"]
+        emb = tf.reshape(tf.gather(p["embedding"], ids), [-1, fields * dim])
+        deep = _mlp_forward(p, tf.concat([emb, x["dense"]], axis=1), len(sizes) - 1)
+        wide = tf.reduce_sum(tf.gather(p["wide"], ids), axis=1)
+        return deep + wide
+
+    def data():
+        rng = np.random.default_rng(seed)
+        n = samples + test_samples
+        ids = (rng.zipf(1.3, size=(n, fields)) - 1) % per_field + np.arange(fields) * per_field
+        dense = rng.normal(size=(n, dense_dim)).astype(np.float32)
+        id_weight = rng.normal(0, 1.0, size=per_field * fields).astype(np.float32)
+        dense_weight = rng.normal(0, 0.5, size=dense_dim).astype(np.float32)
+        logit = id_weight[ids].sum(axis=1) * 0.7 + dense @ dense_weight - 0.5
+        y = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(np.float32)
+        ids = ids.astype(np.int64)
+        split = lambda a: (a[:samples], a[samples:])  # noqa: E731
+        (itr, ite), (dtr, dte), (ytr, yte) = split(ids), split(dense), split(y)
+        return Dataset({"ids": itr, "dense": dtr}, ytr), Dataset({"ids": ite, "dense": dte}, yte)
+
+    return ModelDef(params=params, forward=forward, data=data, loss="sigmoid", name="wide-deep")
+
+
+BUILTIN: dict[str, Callable[[dict, int], ModelDef]] = {
+    "digits-mlp": digits_mlp,
+    "mlp": synthetic_mlp,
+    "wide-deep": wide_deep,
+}
+
+
+def load_model(name: str, model_args: dict | None = None, seed: int = 0) -> ModelDef:
+    """A built-in name or `package.module:function`."""
+    model_args = model_args or {}
+    if name in BUILTIN:
+        return BUILTIN[name](model_args, seed)
+    if ":" not in name:
+        raise ValueError(f"unknown model {name!r}: use one of {sorted(BUILTIN)} or 'package.module:function'")
+    module_name, func_name = name.split(":", 1)
+    model = getattr(importlib.import_module(module_name), func_name)(model_args, seed)
+    if not isinstance(model, ModelDef):
+        raise TypeError(f"{name} returned {type(model).__name__}, not tfps.runtime.models.ModelDef")
+    return model
+
+
+class BatchSource:
+    """Deterministic batches: the same seed gives the same data order.
+
+    Global batch `s` is positions [s*G, (s+1)*G) of the stream of per-epoch permutations
+    (G = batch * num_workers); worker w takes the w-th slice of B. So in sync mode N
+    workers x batch B see exactly the examples of 1 worker x batch N*B.
+    """
+
+    def __init__(self, data: Dataset, seed: int, batch: int, worker: int = 0, num_workers: int = 1):
+        self.data, self.seed, self.batch = data, seed, batch
+        self.worker, self.num_workers = worker, num_workers
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) > 4:
+                self._perms.pop(min(self._perms))
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.data))
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> np.ndarray:
+        n = len(self.data)
+        start = step * self.batch * self.num_workers + self.worker * self.batch
+        pos = np.arange(start, start + self.batch)
+        epochs = pos // n
+        out = np.empty(self.batch, np.int64)
+        for e in np.unique(epochs):
+            mask = epochs == e
+            out[mask] = self._perm(int(e))[pos[mask] % n]
+        return out
+
+    def __call__(self, step: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        return self.data.take(self.indices(step))

@@ -1,0 +1,106 @@
+"""What a PS or worker process reads from its environment, and its structured logging.
+
+In a pod everything comes from the environment the operator sets (TF_CONFIG,
+TFPS_JOB_NAME, TFPS_NAMESPACE, TFPS_TRAINING, TFPS_BIND_ADDRESS, TFPS_METRICS_PORT); `tfps
+local` sets the same variables for its processes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from .spec import TrainingSpec
+from .tfconfig import (
+    ENV_BIND_ADDRESS,
+    ENV_JOB_NAME,
+    ENV_METRICS_PORT,
+    ENV_NAMESPACE,
+    ENV_TRAINING,
+    GRPC_PORT,
+    METRICS_PORT,
+    ClusterConfig,
+)
+
+ENV_RESULT_FILE = "TFPS_RESULT_FILE"  # worker 0 writes its final JSON result here (tfps local)
+ENV_RETRY_SECONDS = "TFPS_PS_RETRY_SECONDS"  # how long workers retry an unavailable PS
+ENV_WORKER_TIMEOUT = "TFPS_WORKER_TIMEOUT_SECONDS"  # PS: silence after which a worker is not live
+ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    cluster: ClusterConfig
+    training: TrainingSpec
+    job: str
+    namespace: str
+    bind_address: str
+    metrics_port: int
+
+    @property
+    def own_port(self) -> int:
+        """The port of this task's own address in TF_CONFIG (GRPC_PORT when it has none)."""
+        addresses = self.cluster.cluster.get(self.cluster.task_type, [])
+        if self.cluster.task_index < len(addresses):
+            host_port = addresses[self.cluster.task_index]
+            if ":" in host_port:
+                return int(host_port.rsplit(":", 1)[1])
+        return GRPC_PORT
+
+    def listen_address(self, port: int) -> str:
+        host = self.bind_address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "ProcessConfig":
+        env = os.environ if env is None else env
+        raw = env.get(ENV_TRAINING)
+        if not raw:
+            raise ValueError(f"{ENV_TRAINING} is not set: the built-in runtime needs spec.training")
+        return cls(
+            cluster=ClusterConfig.from_env(env),
+            training=TrainingSpec.model_validate(json.loads(raw)),
+            job=env.get(ENV_JOB_NAME, "local"),
+            namespace=env.get(ENV_NAMESPACE, "default"),
+            bind_address=env.get(ENV_BIND_ADDRESS, "0.0.0.0"),
+            metrics_port=int(env.get(ENV_METRICS_PORT, METRICS_PORT)),
+        )
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, naming the job and the replica; JSON messages are merged in."""
+
+    def __init__(self, job: str, replica: str):
+        super().__init__()
+        self.fixed = {"job": job, "replica": replica}
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        entry = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname.lower(), "logger": record.name, **self.fixed}
+        try:
+            parsed = json.loads(msg)
+        except ValueError:
+            parsed = None
+        entry.update(parsed if isinstance(parsed, dict) else {"msg": msg})
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(job: str, replica: str, level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(job, replica))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def configure_threads() -> None:
+    threads = os.environ.get(ENV_INTRA_OP_THREADS)
+    if threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_intra_op_parallelism_threads(int(threads))

@@ -1,0 +1,66 @@
+"""`tfps ps`: the parameter-server pod entry point (no required arguments).
+
+Serves its shard until SIGTERM, then stops gracefully, writes a last checkpoint and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+
+from .process import ENV_WORKER_TIMEOUT, ProcessConfig, configure_threads, setup_logging
+
+log = logging.getLogger("tfps.ps")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", help="address to listen on (default: $TFPS_BIND_ADDRESS)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ProcessConfig.from_env()
+    index = cfg.cluster.task_index
+    setup_logging(cfg.job, f"ps-{index}")
+    configure_threads()
+    bind = args.bind or cfg.bind_address
+    metrics_port = args.metrics_port or cfg.metrics_port
+
+    from .metrics import Identity, PSMetrics
+    from .models import load_model
+    from .ps import Shard, serve
+    from .sharding import place
+
+    model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
+    plan = place(model.params, len(cfg.cluster.ps))
+    metrics = PSMetrics(Identity(cfg.job, cfg.namespace, "ps", index))
+    metrics.serve(metrics_port, bind)
+    shard = Shard(
+        plan.for_ps(index),
+        {p.name: p for p in model.params},
+        cfg.training,
+        num_workers=max(1, len(cfg.cluster.workers)),
+        index=index,
+        metrics=metrics,
+        checkpoint_root=cfg.training.checkpoint.path,
+        worker_timeout=float(os.environ.get(ENV_WORKER_TIMEOUT, 10.0)),
+    )
+    server, port = serve(shard, cfg.listen_address(cfg.own_port))
+    log.info(json.dumps({
+        "event": "serving", "address": cfg.listen_address(port), "metrics_port": metrics_port, "step": shard.version,
+        "parts": len(plan.for_ps(index)), "parameters": sum(p.size for p in plan.for_ps(index)),
+        "mode": cfg.training.consistency.mode.value,
+    }))
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info(json.dumps({"event": "stopping", "step": shard.version}))
+    server.stop(grace=5).wait()
+    shard.checkpoint_now()
+    shard.close()
+    return 0

@@ -1,0 +1,95 @@
+"""Placement of a model's parameters on the PS shards.
+
+Pure and deterministic: every PS and every worker computes the same plan from the model's
+parameter shapes and the number of PS, so nothing needs to be agreed over the wire.
+- Embedding tables (sparse) are partitioned by rows across all PS.
+- A dense variable larger than half a PS's fair share is partitioned by rows across all PS.
+- The rest go whole, largest first, to the least-loaded PS.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .models import Param
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # the name on the wire and in checkpoints
+    var: str  # the model parameter it belongs to
+    ps: int
+    start: int  # rows [start, stop) of the parameter
+    stop: int
+    shape: tuple[int, ...]
+    sparse: bool
+    init: str
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+
+@dataclass(frozen=True)
+class Plan:
+    parts: tuple[Part, ...]
+    num_ps: int
+
+    def for_ps(self, index: int) -> list[Part]:
+        return [p for p in self.parts if p.ps == index]
+
+    def parts_of(self, var: str) -> list[Part]:
+        return [p for p in self.parts if p.var == var]
+
+    def load(self) -> list[int]:
+        loads = [0] * self.num_ps
+        for p in self.parts:
+            loads[p.ps] += p.size
+        return loads
+
+
+def _row_splits(rows: int, n: int) -> list[tuple[int, int]]:
+    bounds = np.linspace(0, rows, n + 1).round().astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def place(params: list[Param], num_ps: int) -> Plan:
+    if num_ps < 1:
+        raise ValueError("at least one PS is needed")
+    total = sum(p.size for p in params)
+    threshold = total / (2 * num_ps)
+    parts: list[Part] = []
+    loads = [0] * num_ps
+    whole = []
+    for p in params:
+        split = num_ps > 1 and p.shape and p.shape[0] >= num_ps and (p.sparse or p.size > threshold)
+        if not split:
+            whole.append(p)
+            continue
+        for k, (a, b) in enumerate(_row_splits(p.shape[0], num_ps)):
+            part = Part(f"{p.name}/part-{k}", p.name, k, a, b, (b - a, *p.shape[1:]), p.sparse, p.init)
+            parts.append(part)
+            loads[k] += part.size
+    for p in sorted(whole, key=lambda q: (-q.size, q.name)):
+        k = min(range(num_ps), key=lambda i: (loads[i], i))
+        rows = p.shape[0] if p.shape else 1
+        parts.append(Part(p.name, p.name, k, 0, rows, tuple(p.shape), p.sparse, p.init))
+        loads[k] += p.size
+    return Plan(tuple(parts), num_ps)
+
+
+def initial_part(part: Part, param: Param, seed: int) -> np.ndarray:
+    """The part's rows of the parameter's deterministic initial value."""
+    full = param.initial_value(seed)
+    return np.ascontiguousarray(full if not part.shape or (part.start == 0 and part.stop == full.shape[0]) else full[part.start:part.stop])
+
+
+def route_rows(parts: list[Part], ids: np.ndarray) -> list[tuple[Part, np.ndarray, np.ndarray]]:
+    """Split sorted unique ids of one sparse parameter by part: (part, positions in ids, local rows)."""
+    out = []
+    for part in sorted(parts, key=lambda p: p.start):
+        lo, hi = np.searchsorted(ids, [part.start, part.stop])
+        if hi > lo:
+            out.append((part, np.arange(lo, hi), ids[lo:hi] - part.start))
+    return out

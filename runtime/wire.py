@@ -1,0 +1,117 @@
+"""The PS wire format: a small JSON header, then raw tensor bytes (never per-float fields).
+
+    message = u32 header length | JSON header | payload
+    header  = {"meta": {...}, "tensors": [[name, dtype, shape, nbytes], ...]}
+
+Tensors follow one another in the payload in header order. Decoding never copies: each
+tensor is an `np.frombuffer` view of the received bytes. Messages larger than CHUNK_BYTES
+travel as a gRPC stream of chunks (see `chunks` / `join`).
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+CHUNK_BYTES = 4 << 20
+MAX_MESSAGE_BYTES = 1 << 30
+_LEN = struct.Struct("<I")
+DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "float16": np.float16}
+
+
+class WireError(ValueError):
+    """A message that cannot be decoded; `reason` is the metric label."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Message:
+    meta: dict = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
+    entries, bufs = [], []
+    for name, arr in tensors.items():
+        arr = np.ascontiguousarray(arr)
+        entries.append([name, arr.dtype.name, list(arr.shape), arr.nbytes])
+        bufs.append(memoryview(arr).cast("B"))
+    header = json.dumps({"meta": meta, "tensors": entries}, separators=(",", ":")).encode()
+    return [_LEN.pack(len(header)), header, *bufs]
+
+
+def encode(meta: dict, tensors: dict[str, np.ndarray] | None = None) -> bytes:
+    return b"".join(_pieces(meta, tensors or {}))
+
+
+def encode_chunks(meta: dict, tensors: dict[str, np.ndarray] | None = None, chunk: int = CHUNK_BYTES) -> list[bytes]:
+    """The message as chunks of at most `chunk` bytes, one copy of each byte."""
+    out, cur, size = [], [], 0
+    for piece in _pieces(meta, tensors or {}):
+        view = memoryview(piece) if not isinstance(piece, memoryview) else piece
+        while len(view):
+            take = min(len(view), chunk - size)
+            cur.append(view[:take])
+            view, size = view[take:], size + take
+            if size == chunk:
+                out.append(b"".join(cur))
+                cur, size = [], 0
+    if cur or not out:
+        out.append(b"".join(cur))
+    return out
+
+
+def join(chunks: Iterable[bytes]) -> bytes:
+    parts = list(chunks)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def decode(data: bytes) -> Message:
+    """Parse a message; raises WireError(reason) on anything malformed."""
+    view = memoryview(data)
+    if len(view) < _LEN.size:
+        raise WireError("truncated", f"message of {len(view)} bytes has no header")
+    (hlen,) = _LEN.unpack_from(view)
+    start = _LEN.size + hlen
+    if start > len(view):
+        raise WireError("truncated", f"header of {hlen} bytes exceeds message of {len(view)} bytes")
+    try:
+        header = json.loads(bytes(view[_LEN.size:start]))
+        meta, entries = header["meta"], header["tensors"]
+        if not isinstance(meta, dict) or not isinstance(entries, list):
+            raise TypeError("meta must be an object and tensors a list")
+    except (ValueError, KeyError, TypeError) as err:
+        raise WireError("malformed", f"unreadable header: {err}") from None
+    tensors, offset = {}, start
+    for entry in entries:
+        try:
+            name, dtype_name, shape, nbytes = entry
+            dtype = np.dtype(DTYPES[dtype_name])
+            shape = tuple(int(d) for d in shape)
+            nbytes = int(nbytes)
+        except (KeyError, ValueError, TypeError):
+            raise WireError("wrong_dtype", f"tensor entry {entry!r}: unsupported dtype or bad entry") from None
+        if any(d < 0 for d in shape) or nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise WireError("wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {dtype_name}")
+        if offset + nbytes > len(view):
+            raise WireError("truncated", f"tensor {name!r}: payload ends {offset + nbytes - len(view)} bytes early")
+        tensors[name] = np.frombuffer(view[offset:offset + nbytes], dtype=dtype).reshape(shape)
+        offset += nbytes
+    if offset != len(view):
+        raise WireError("truncated", f"{len(view) - offset} unexpected bytes after the last tensor")
+    return Message(meta, tensors)
+
+
+def iter_chunks(data: bytes, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+    if len(data) <= chunk:
+        yield data
+        return
+    view = memoryview(data)
+    for i in range(0, len(view), chunk):
+        yield bytes(view[i:i + chunk])

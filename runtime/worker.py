@@ -1,0 +1,297 @@
+"""The worker loop: pull parameters, compute gradients with TensorFlow, push to every shard.
+
+Each step is one `Step` call per PS shard, all shards in parallel: the call pushes this
+step's gradients and returns the parameters for the next step (and the embedding rows the
+next batch needs), so communication costs one round trip per step. Workers never talk to
+each other. Worker 0 evaluates the test split at the end, exports the model when
+spec.training.exportPath is set, and asks every PS to write its final checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from . import wire
+from .client import ShardClient
+from .metrics import WorkerMetrics
+from .models import BatchSource, ModelDef
+from .sharding import Plan, place, route_rows
+from .spec import ConsistencyMode, TrainingSpec
+
+log = logging.getLogger("tfps.worker")
+
+
+def use_gpu_memory_growth() -> list:
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    return gpus
+
+
+def loss_fn(kind: str, logits, y):
+    if kind == "softmax":
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.reshape(tf.cast(y, logits.dtype), tf.shape(logits)), logits=logits))
+
+
+def make_grad_fn(model: ModelDef):
+    @tf.function(reduce_retracing=True)
+    def grad_fn(params, x, y):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            loss = loss_fn(model.loss, model.forward(params, x), y)
+        grads = tape.gradient(loss, params)
+        return loss, {k: tf.convert_to_tensor(g) for k, g in grads.items()}
+
+    return grad_fn
+
+
+def accuracy(model: ModelDef, params: dict, data, batch: int = 4096) -> float:
+    tensors = {k: tf.convert_to_tensor(v) for k, v in params.items()}
+    correct = 0
+    for start in range(0, len(data), batch):
+        idx = np.arange(start, min(start + batch, len(data)))
+        x, y = data.take(idx)
+        logits = model.forward(tensors, {k: tf.convert_to_tensor(v) for k, v in x.items()}).numpy()
+        pred = np.argmax(logits, axis=1) if model.loss == "softmax" else (logits.reshape(-1) > 0).astype(y.dtype)
+        correct += int((pred == y).sum())
+    return correct / max(1, len(data))
+
+
+def export_saved_model(model: ModelDef, params: dict, example_x: dict, path: str) -> None:
+    """A SavedModel whose serving signature maps the features to probabilities."""
+
+    class Exported(tf.Module):
+        def __init__(self):
+            super().__init__(name="tfps_model")
+            self.params = {k: tf.Variable(v, trainable=False, name=k.replace("/", "_")) for k, v in params.items()}
+
+    module = Exported()
+    spec = {k: tf.TensorSpec([None, *v.shape[1:]], tf.as_dtype(v.dtype), name=k) for k, v in example_x.items()}
+
+    @tf.function(input_signature=[spec])
+    def serve(features):
+        logits = model.forward(dict(module.params), features)
+        probs = tf.nn.softmax(logits) if model.loss == "softmax" else tf.sigmoid(logits)
+        return {"probabilities": probs}
+
+    module.serve = serve
+    tf.saved_model.save(module, path, signatures={"serving_default": serve})
+
+
+@dataclass
+class _Reply:
+    version: int
+    done: bool
+    clock: int
+    stale: bool
+    pending: bool
+    msg: wire.Message
+
+
+class Worker:
+    def __init__(
+        self,
+        model: ModelDef,
+        training: TrainingSpec,
+        ps_addresses: list[str],
+        num_workers: int,
+        index: int,
+        metrics: WorkerMetrics,
+        retry_seconds: float = 300.0,
+    ):
+        self.model, self.training, self.index = model, training, index
+        self.num_workers, self.metrics = num_workers, metrics
+        self.mode = training.consistency.mode
+        self.plan: Plan = place(model.params, len(ps_addresses))
+        self.clients = [ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc) for k, a in enumerate(ps_addresses)]
+        self.pool = futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="push") if len(self.clients) > 1 else None
+        self.train, self.test = model.data()
+        self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)
+        self.grad_fn = make_grad_fn(model)
+        self.sparse = {p.name: p for p in model.sparse_params}
+        self.dense_vars = [p.name for p in model.params if not p.sparse]
+        self._large = [
+            sum(p.size for p in self.plan.for_ps(k) if not p.sparse) * 4 > wire.CHUNK_BYTES
+            for k in range(len(self.clients))
+        ]
+        self.versions = [0] * len(self.clients)
+        self.params: dict[str, tf.Tensor] = {}
+        self.rows: dict[str, np.ndarray] = {}
+        self._rows_step = None  # data step the cached rows were pulled for
+        self.done = False
+        self.clock = 0
+        self.last_loss = math.nan
+        self.steps_done = 0
+
+    # ---- calls to all shards in parallel ----
+    def _map(self, fn, items):
+        if self.pool is None:
+            return [fn(*items[0])]
+        return list(self.pool.map(lambda a: fn(*a), items))
+
+    def _call(self, k: int, meta: dict, tensors: dict) -> _Reply:
+        msg = self.clients[k].step({"worker": self.index, **meta}, tensors, self._large[k])
+        m = msg.meta
+        return _Reply(int(m["version"]), bool(m["done"]), int(m.get("clock", 0)), bool(m.get("stale")), bool(m.get("pending")), msg)
+
+    # ---- the batch's sparse rows ----
+    def _sparse_plan(self, x: dict) -> tuple[dict, list[dict], dict]:
+        """Remap id features onto the batch's unique ids. Returns the remapped features,
+        per shard the rows to ask for, and per table its routes (part, positions, rows)."""
+        local_x, per_shard, routes, uniq = dict(x), [dict() for _ in self.clients], {}, {}
+        for name, param in self.sparse.items():
+            feature = param.feature
+            if feature not in uniq:
+                uniq[feature], inverse = np.unique(x[feature].reshape(-1), return_inverse=True)
+                local_x[feature] = inverse.reshape(x[feature].shape).astype(np.int64)
+            routes[name] = route_rows(self.plan.parts_of(name), uniq[feature])
+            for part, _, local in routes[name]:
+                per_shard[part.ps][f"{part.name}:rows"] = local.astype(np.int64)
+        return local_x, per_shard, routes
+
+    @staticmethod
+    def _rows_from(replies: list, routes: dict) -> dict[str, np.ndarray]:
+        rows = {}
+        for name, table_routes in routes.items():
+            pieces = [replies[part.ps].msg.tensors[f"{part.name}:rows"] for part, _, _ in table_routes]
+            rows[name] = np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+        return rows
+
+    def _take_params(self, replies: list[_Reply]) -> None:
+        for name in self.dense_vars:
+            pieces = [replies[p.ps].msg.tensors[p.name] for p in sorted(self.plan.parts_of(name), key=lambda p: p.start)]
+            self.params[name] = tf.convert_to_tensor(pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+
+    def _absorb(self, replies: list[_Reply], sent_tags: list[int] | None, row_requests: list[dict]) -> list[_Reply]:
+        """Re-ask shards that answered `pending` until every shard has parameters."""
+        out = list(replies)
+        while True:
+            waiting = [k for k, r in enumerate(out) if r.pending]
+            if not waiting:
+                return out
+            t0 = time.perf_counter()
+            for k in waiting:
+                min_version = sent_tags[k] + 1 if sent_tags and self.mode is ConsistencyMode.SYNC and not out[k].stale else 0
+                out[k] = self._call(k, {"tag": -1, "pull": True, "min_version": min_version}, row_requests[k])
+            self.metrics.pull_seconds.observe(time.perf_counter() - t0)
+
+    def _update_state(self, replies: list[_Reply]) -> None:
+        self.versions = [r.version for r in replies]
+        self.done = replies[0].done
+        self.clock = replies[0].clock
+        self._take_params(replies)
+
+    def _data_step(self) -> int:
+        return self.versions[0] if self.mode is ConsistencyMode.SYNC else self.clock
+
+    def pull(self) -> None:
+        """Pull-only: the parameters from every shard."""
+        t0 = time.perf_counter()
+        none = [dict() for _ in self.clients]
+        replies = self._map(lambda k: self._call(k, {"tag": -1, "pull": True}, {}), [(k,) for k in range(len(self.clients))])
+        self._update_state(self._absorb(replies, None, none))
+        self.metrics.pull_seconds.observe(time.perf_counter() - t0)
+
+    def _pull_rows(self, row_requests: list[dict]) -> list:
+        t0 = time.perf_counter()
+        replies = {k: self._call(k, {"tag": -1, "pull": True, "dense": False}, req) for k, req in enumerate(row_requests) if req}
+        self.metrics.pull_seconds.observe(time.perf_counter() - t0)
+        return [replies.get(k) for k in range(len(self.clients))]
+
+    def train_step(self) -> None:
+        t_step = time.perf_counter()
+        step = self._data_step()
+        x, y = self.batches(step)
+        routes: dict = {}
+        if self.sparse:
+            x, row_requests, routes = self._sparse_plan(x)
+            if self._rows_step != step:
+                self.rows = self._rows_from(self._pull_rows(row_requests), routes)
+        t0 = time.perf_counter()
+        params = {**self.params, **{k: tf.convert_to_tensor(v) for k, v in self.rows.items()}}
+        loss, grads = self.grad_fn(params, {k: tf.convert_to_tensor(v) for k, v in x.items()}, tf.convert_to_tensor(y))
+        loss = float(loss)
+        grads = {k: v.numpy() for k, v in grads.items()}
+        self.metrics.compute_seconds.observe(time.perf_counter() - t0)
+
+        # The rows of the next batch ride along with this push.
+        next_requests, next_routes = [dict() for _ in self.clients], {}
+        if self.sparse:
+            _, next_requests, next_routes = self._sparse_plan(self.batches(step + 1)[0])
+        tags = list(self.versions)
+        shard_tensors = self._split_grads(grads, routes)
+        t0 = time.perf_counter()
+        meta = {"pull": True, "batch": len(y), "loss": loss}
+        replies = self._map(
+            lambda k: self._call(k, {**meta, "tag": tags[k]}, {**shard_tensors[k], **next_requests[k]}),
+            [(k,) for k in range(len(self.clients))],
+        )
+        replies = self._absorb(replies, tags, next_requests)
+        self.metrics.push_seconds.observe(time.perf_counter() - t0)
+        self._update_state(replies)
+        if self.sparse:
+            self.rows = self._rows_from(replies, next_routes)
+            self._rows_step = step + 1 if self._data_step() == step + 1 else None
+        self.last_loss = loss
+        self.steps_done += 1
+        m = self.metrics
+        m.loss.set(loss)
+        m.steps.inc()
+        m.examples.inc(len(y))
+        m.step_seconds.observe(time.perf_counter() - t_step)
+
+    def _split_grads(self, grads: dict[str, np.ndarray], routes: dict) -> list[dict]:
+        out = [dict() for _ in self.clients]
+        for name in self.dense_vars:
+            grad, parts = grads[name], self.plan.parts_of(name)
+            for part in parts:
+                out[part.ps][part.name] = grad if len(parts) == 1 else grad[part.start:part.stop]
+        for name, table_routes in routes.items():
+            grad = grads[name]
+            for part, positions, local in table_routes:
+                out[part.ps][f"{part.name}:indices"] = local.astype(np.int64)
+                out[part.ps][f"{part.name}:values"] = grad[positions[0]:positions[-1] + 1]
+        return out
+
+    def run(self) -> None:
+        """Train until the PS reports the job's step count reached."""
+        self.pull()
+        log.info(json.dumps({"event": "joined", "worker": self.index, "step": self.versions[0], "mode": self.mode.value}))
+        while not self.done:
+            self.train_step()
+
+    # ---- the end ----
+    def full_params(self) -> dict[str, np.ndarray]:
+        replies = self._map(lambda k: self.clients[k].pull_full(), [(k,) for k in range(len(self.clients))])
+        out = {}
+        for p in self.model.params:
+            pieces = [replies[part.ps].tensors[part.name] for part in sorted(self.plan.parts_of(p.name), key=lambda q: q.start)]
+            out[p.name] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return out
+
+    def finish(self, export_path: str | None = None) -> dict:
+        params = self.full_params()
+        result = {"worker": self.index, "steps": self.versions[0], "loss": self.last_loss, "accuracy": None}
+        if self.test is not None and len(self.test):
+            result["accuracy"] = accuracy(self.model, params, self.test)
+            self.metrics.eval_accuracy.set(result["accuracy"])
+        if export_path:
+            export_saved_model(self.model, params, self.train.take(np.arange(1))[0], export_path)
+            result["export_path"] = export_path
+        for client in self.clients:
+            client.finish()
+        return result
+
+    def close(self) -> None:
+        if self.pool:
+            self.pool.shutdown()
+        for c in self.clients:
+            c.close()

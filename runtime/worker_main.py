@@ -1,0 +1,64 @@
+"""`tfps worker`: the worker pod entry point (no required arguments).
+
+Exits 0 once the job's step count is reached (worker 0 after evaluating, exporting when
+spec.training.exportPath is set, and asking every PS for a final checkpoint); non-zero on a
+fatal error (a PS unreachable for longer than the retry window, a refused request).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from .process import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ProcessConfig, configure_threads, setup_logging
+
+log = logging.getLogger("tfps.worker")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bind", help="address for the metrics server (default: $TFPS_BIND_ADDRESS)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ProcessConfig.from_env()
+    index = cfg.cluster.task_index
+    setup_logging(cfg.job, f"worker-{index}")
+    configure_threads()
+
+    import grpc
+
+    from .metrics import Identity, WorkerMetrics
+    from .models import load_model
+    from .worker import Worker, use_gpu_memory_growth
+
+    gpus = use_gpu_memory_growth()
+    metrics = WorkerMetrics(Identity(cfg.job, cfg.namespace, "worker", index))
+    metrics.serve(args.metrics_port or cfg.metrics_port, args.bind or cfg.bind_address)
+    model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
+    worker = Worker(
+        model, cfg.training, cfg.cluster.ps, max(1, len(cfg.cluster.workers)), index, metrics,
+        retry_seconds=float(os.environ.get(ENV_RETRY_SECONDS, 300.0)),
+    )
+    log.info(json.dumps({"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}))
+    try:
+        worker.run()
+        if index != 0:
+            log.info(json.dumps({"event": "finished", "worker": index, "steps": worker.versions[0], "local_steps": worker.steps_done}))
+            return 0
+        result = worker.finish(cfg.training.export_path)
+    except grpc.RpcError as err:
+        log.error(json.dumps({"event": "failed", "worker": index, "code": err.code().name, "detail": err.details()}))
+        return 1
+    finally:
+        worker.close()
+    result["local_steps"] = worker.steps_done
+    log.info(json.dumps({"event": "eval", **result}))
+    result_file = os.environ.get(ENV_RESULT_FILE)
+    if result_file:
+        tmp = result_file + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(result, fh)
+        os.replace(tmp, result_file)
+    return 0
