@@ -454,8 +454,8 @@ def test_chart_crd_copies_are_current():
 
 def test_stale_crd_copy_is_caught(tmp_path, monkeypatch):
     sync = _sync_crd()
-    shutil.copytree(sync.TARGET_DIR, tmp_path / "crds")
     monkeypatch.setattr(sync, "TARGET_DIR", tmp_path / "crds")
+    assert sync.main([]) == 0  # writes current copies into the temporary chart folder
     want = sync.wanted()
     assert sync.problems(want) == []
     copy = tmp_path / "crds" / "trainingjob.yaml"
