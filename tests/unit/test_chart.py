@@ -82,8 +82,15 @@ def operator_container(docs: list[dict]) -> dict:
 
 
 @needs_helm
-def test_helm_lint_strict_passes():
-    proc = helm("lint", str(CHART), "--strict")
+@pytest.mark.parametrize("sets", [
+    (),
+    ("monitoring.podMonitor.enabled=true", "monitoring.serviceMonitor.enabled=true",
+     "monitoring.prometheusRule.enabled=true", "operator.podDisruptionBudget.enabled=true",
+     "operator.watchNamespaces={team-a}", "operator.replicas=2"),
+], ids=["defaults", "everything-on"])
+def test_helm_lint_strict_passes(sets):
+    args = [a for s in sets for a in ("--set", s)]
+    proc = helm("lint", str(CHART), "--strict", *args)
     assert "0 chart(s) failed" in proc.stdout, proc.stdout
 
 
