@@ -31,7 +31,7 @@ class Runtime:
     config: OperatorConfig
     metrics: OperatorMetrics
     peering_name: str
-    log_level: int = logging.INFO
+    peering_lifetime: int = 30
     wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -77,7 +77,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         # highest priority (main.py gives each a distinct one); a dead leader's record
         # expires after `lifetime` seconds and a standby takes over.
         settings.peering.name = rt.peering_name
-        settings.peering.lifetime = 30
+        settings.peering.lifetime = rt.peering_lifetime
         settings.peering.stealth = True
         # Watches are re-established every few minutes, so a silently dropped connection
         # never leaves a job without events for long.

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peering", default="tfps", help="kopf peering object shared by the replicas that elect a leader")
     parser.add_argument("--priority", type=int, default=None,
                         help="peering priority: the highest live one is active (default: random, so replicas differ)")
+    parser.add_argument("--peering-lifetime", type=int, default=30,
+                        help="seconds after which a silent replica is taken for dead and a standby takes over")
     parser.add_argument("--standalone", action="store_true", help="no leader election (a single replica)")
 
 
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     registry = kopf.OperatorRegistry()
     handlers.register(registry, handlers.Runtime(
-        controller=Controller(kube, config, metrics), config=config, metrics=metrics, peering_name=args.peering))
+        controller=Controller(kube, config, metrics), config=config, metrics=metrics,
+        peering_name=args.peering, peering_lifetime=args.peering_lifetime))
     log.info("tfps operator %s (pid %d, priority %d) serving %s", "standalone" if standalone else f"peering {args.peering!r}",
              os.getpid(), priority, ", ".join(namespaces) or "all namespaces")
     kopf.run(

@@ -76,14 +76,19 @@ class OperatorHarness:
         self.metrics_port = 0
 
     # --- the operator process -------------------------------------------------------
-    def start(self, *extra: str) -> subprocess.Popen:
+    def start(self, *extra: str, config: dict | None = None) -> subprocess.Popen:
+        """Start `tfps operator`; `config` is written as its configuration file."""
         self.metrics_port = free_port()
+        config_path = ""
+        if config:
+            config_path = str(self.log_dir / f"config-{len(self.procs)}.yaml")
+            Path(config_path).write_text(yaml.safe_dump(config))
         log = open(self.log_dir / f"operator-{len(self.procs)}.log", "w")
         proc = subprocess.Popen(
             [sys.executable, "-m", "tfps.cli.main", "operator", "--namespace", self.namespace,
              "--metrics-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
              "--health-port", str(free_port()), *extra],
-            env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": ""}, stdout=log, stderr=subprocess.STDOUT)
+            env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": config_path}, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
 

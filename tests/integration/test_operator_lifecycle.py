@@ -77,3 +77,37 @@ def test_operator_metrics(tfps_operator):
     text = wait_for("operator metrics", lambda: (t := op.metrics()) and 'tfps_operator_jobs{phase="Pending"} 1.0' in t and t)
     assert "tfps_operator_pods_created_total 2.0" in text
     assert "tfps_operator_reconcile_seconds_count" in text
+
+
+PS_PROGRAM = """
+import os, time
+from tfps.runtime.metrics import Identity, PSMetrics
+m = PSMetrics(Identity(os.environ['TFPS_JOB_NAME'], os.environ['TFPS_NAMESPACE'], 'ps', 0))
+m.serve(int(os.environ['TFPS_METRICS_PORT']), addr=os.environ['TFPS_BIND_ADDRESS'])
+step = 0
+while True:
+    step += 10
+    m.global_step.set(step); m.loss.set(1.0 / step); m.examples.inc(640)
+    time.sleep(0.5)
+"""
+
+
+def test_progress_is_read_from_the_ps_metrics(tfps_operator):
+    """Real PS-like processes on the local node serve the runtime's PS metrics on their pod IP."""
+    op = tfps_operator
+    op.kill()
+    op.start(config={"progressSeconds": 1})
+    ps = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/ps:test", "command": ["python", "-c", PS_PROGRAM]}]}}
+    worker = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/worker:test",
+                                       "command": ["python", "-c", "import time; time.sleep(600)"]}]}}
+    body = job_manifest("prog", ps=1, workers=1)
+    del body["spec"]["training"]
+    body["spec"]["replicaSpecs"]["PS"]["template"] = ps
+    body["spec"]["replicaSpecs"]["Worker"]["template"] = worker
+    op.create(body)
+    op.wait_phase("prog", "Running", timeout=90)
+    progress = wait_for("progress with a rate", lambda: (p := op.status("prog").get("progress", {})).get(
+        "examplesPerSecond") and p.get("step", 0) > 10 and p, timeout=60)
+    assert 0 < progress["loss"] < 0.1 and progress["examplesPerSecond"] > 0
+    shown = op.cluster.kubectl("get", "tj", "prog", "-n", op.namespace, "--no-headers").stdout.split()
+    assert shown[1] == "Running" and int(shown[4]) >= progress["step"]

@@ -1,0 +1,60 @@
+"""`tfps bench --quick`: the whole benchmark end to end, in its shortest mode.
+
+Real processes on 127.0.0.1: TensorFlow's ParameterServerStrategy (tf.distribute.Server
+per task), the compute-only ceiling, `tfps local` in async and sync mode, a `tfps ps` for
+the goodput pair. Checks what a user reads: every row of the report with numeric rates
+and ratios, and each goal marked met or missed. No timing is asserted.
+"""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from tfps.bench import report
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+def _numeric(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
+    out_file = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfps.cli.main", "bench", "--quick", "--output", str(out_file)],
+        capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    # the table a user reads
+    text = proc.stdout
+    for rdef in report.RATIOS:
+        assert rdef.label in text
+    assert "tfps PS push+pull / raw TCP" in text
+    assert "669,706" in text and "5,824,522" in text
+    assert "goal ≥ 1.6×" in text and "goal ≥ 1.1×" in text and "goal ≥ 0.75×" in text and "goal ≥ 0.4×" in text
+    assert "0 not measured" in text
+
+    # the same report as JSON
+    out = json.loads(out_file.read_text())
+    assert out["errors"] == []
+    assert set(out["shapes"]) == {"670k", "5.8M"}
+    for name, shape in out["shapes"].items():
+        assert len(shape["repeats"]) == 1
+        for system in report.SYSTEMS:
+            assert _numeric(shape["median_examples_per_second"][system]), (name, system)
+        for rdef in report.RATIOS:
+            entry = shape["ratios"][rdef.key]
+            assert _numeric(entry["median"]), (name, rdef.key)
+            if rdef.goals.get(name) is not None:
+                assert entry["met"] in (True, False)
+                assert entry["text"].startswith("met" if entry["met"] else "missed by")
+    goodput = out["goodput"]
+    assert _numeric(goodput["median_mib_per_second"]["raw_tcp"])
+    assert _numeric(goodput["median_mib_per_second"]["tfps"])
+    assert _numeric(goodput["ratio"]["median"]) and goodput["ratio"]["met"] in (True, False)
+    assert out["goals"]["not_measured"] == 0
+    assert out["goals"]["met"] + out["goals"]["missed"] == 6
