@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from kubernetes.client.rest import ApiException
 from conftest import job_manifest, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -51,12 +52,20 @@ def test_operator_killed_mid_creation_leaves_exactly_the_right_pods(tfps_operato
     assert set(_pod_uids(op, "big")) == expected  # and nothing more appears
 
 
+def _peers(op) -> dict | None:
+    try:
+        return op.custom.get_namespaced_custom_object("kopf.dev", "v1", op.namespace, "kopfpeerings", "tfps").get("status")
+    except ApiException as err:
+        if err.status == 404:  # the operator creates it when it starts
+            return None
+        raise
+
+
 def test_two_replicas_elect_a_leader_and_the_standby_takes_over(tfps_operator):
     op = tfps_operator
     op.kill()  # the fixture's operator: replaced by two with known priorities
     leader = op.start("--priority", "200", "--peering-lifetime", "8")
-    wait_for("the leader's peering record", lambda: op.custom.get_namespaced_custom_object(
-        "kopf.dev", "v1", op.namespace, "kopfpeerings", "tfps").get("status"), timeout=30)
+    wait_for("the leader's peering record", lambda: _peers(op), timeout=30)
     standby = op.start("--priority", "100", "--peering-lifetime", "8")
     time.sleep(3)
 
