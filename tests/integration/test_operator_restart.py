@@ -74,13 +74,14 @@ def test_two_replicas_elect_a_leader_and_the_standby_takes_over(tfps_operator):
     op.set_all("le")
     op.wait_phase("le", "Running")
     standby_log = (op.log_dir / "operator-2.log").read_text()
-    assert "Pausing operations in favour of" in standby_log and "created" not in standby_log
+    # The standby starts paused and stays so while the leader's record is fresh.
+    assert "Resuming operations" not in standby_log and "created" not in standby_log
 
     op.kill(leader)
     uid = _pod_uids(op, "le")["le-worker-1"]
     op.set_pod("le-worker-1", "Failed", exit_code=1)
     wait_for("the standby recreates the failed worker",
              lambda: _pod_uids(op, "le").get("le-worker-1") not in (None, uid), timeout=60)
-    assert standby.poll() is None
+    assert standby.poll() is None and "Resuming operations" in (op.log_dir / "operator-2.log").read_text()
     assert sorted(_pod_uids(op, "le")) == ["le-ps-0", "le-worker-0", "le-worker-1"]
     assert op.status("le")["restartCount"] == 1
