@@ -227,6 +227,9 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Pla
         for i in range(spec.replicas(rtype)):
             if (rtype, i) not in existing:
                 result.create.append((rtype, i))
+    if result.create and condition_true(old.get("conditions") or [], CREATED):
+        names = [naming.child_pod_name(job.name, t, i) for t, i in result.create]
+        result.event(NORMAL, "CreatedPods", "created pods " + ", ".join(names))  # scale-up, restarts
     extra = [p for p in live if p.index >= spec.replicas(p.rtype) and p.name not in result.delete]
     result.delete.extend(p.name for p in extra)
     if extra:

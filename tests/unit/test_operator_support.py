@@ -1,0 +1,78 @@
+"""Small pure parts of the operator: progress from PS metrics, status merge patches,
+operator metrics and configuration."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+from pydantic import ValidationError
+
+from tfps.operator import progress
+from tfps.operator.config import OperatorConfig
+from tfps.operator.metrics import OperatorMetrics
+from tfps.operator.status import merge_patch
+from tfps.runtime.metrics import Identity, PSMetrics
+
+
+def _page(step: int, loss: float, examples: int, index: int = 0) -> str:
+    m = PSMetrics(Identity("j", "ns", "ps", index))
+    m.global_step.set(step)
+    m.loss.set(loss)
+    m.examples.inc(examples)
+    return generate_latest(m.registry).decode()
+
+
+def test_progress_from_the_runtimes_own_ps_metrics():
+    pages = [progress.parse(_page(100, 0.5, 6400)), progress.parse(_page(98, 0.6, 6300, index=1))]
+    first = progress.combine(pages, at=10.0)
+    assert (first.step, first.loss, first.examples) == (100, 0.5, 6400)
+    assert progress.to_status(first, None, "t") == {"step": 100, "loss": 0.5, "updateTime": "t"}
+    later = progress.combine([progress.parse(_page(150, 0.4, 9600))], at=12.0)
+    assert progress.to_status(later, first, "t")["examplesPerSecond"] == 1600.0
+
+
+def test_progress_without_ps_pages_is_none():
+    assert progress.combine([{}], at=1.0) is None
+
+
+def test_merge_patch_removes_and_nests():
+    old = {"a": 1, "b": {"x": 1, "y": 2}, "c": [1]}
+    new = {"a": 1, "b": {"x": 1}, "c": [1, 2], "d": "new"}
+    assert merge_patch(old, new) == {"b": {"y": None}, "c": [1, 2], "d": "new"}
+    assert merge_patch(new, new) == {}
+
+
+def test_operator_metrics_count_jobs_by_phase():
+    m = OperatorMetrics()
+    m.job_phase(("ns", "a"), "Running")
+    m.job_phase(("ns", "b"), "Running")
+    m.job_phase(("ns", "a"), "Succeeded")
+    m.job_phase(("ns", "b"), None)
+    text = generate_latest(m.registry).decode()
+    assert 'tfps_operator_jobs{phase="Succeeded"} 1.0' in text and 'tfps_operator_jobs{phase="Running"} 0.0' in text
+    for name in ("tfps_operator_pods_created_total", "tfps_operator_pods_deleted_total",
+                 "tfps_operator_pods_restarted_total", "tfps_operator_reconcile_seconds_bucket"):
+        assert name in text
+
+
+def test_config_rejects_a_mistyped_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("imagez: {}\n")
+    with pytest.raises(ValidationError, match="imagez"):
+        OperatorConfig.load(path)
+
+
+def test_config_matches_the_charts_rendering(tmp_path):
+    """The keys the chart renders (charts/tfps/templates/_helpers.tpl) load as-is."""
+    path = tmp_path / "c.yaml"
+    path.write_text("""images: {ps: "r/ps:1", worker: "r/w:1", pullPolicy: Always}
+ports: {grpc: 2222, metrics: 9090}
+resources: {PS: {requests: {cpu: 100m}}, Worker: {}, Chief: {}, Evaluator: {}}
+podSecurityContext: {runAsNonRoot: true}
+containerSecurityContext: {readOnlyRootFilesystem: true}
+tmpVolume: true
+resyncSeconds: 30
+progressSeconds: 10
+reconcileWorkers: 16
+""")
+    config = OperatorConfig.load(path)
+    assert config.images.pull_policy == "Always" and config.reconcile_workers == 16
