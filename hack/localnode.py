@@ -301,7 +301,9 @@ def probe_once(probe: dict, ip: str, container: dict, pid: int | None, env: dict
             h = probe["httpGet"]
             scheme = h.get("scheme", "HTTP").lower()
             url = f"{scheme}://{h.get('host') or ip}:{probe_port(h['port'], container)}{h.get('path', '/')}"
-            req = urllib.request.Request(url, headers={x["name"]: x["value"] for x in h.get("httpHeaders") or []})
+            headers = {"User-Agent": "kube-probe/tfps-localnode",
+                       **{x["name"]: x["value"] for x in h.get("httpHeaders") or []}}
+            req = urllib.request.Request(url, headers=headers)
             handlers = [urllib.request.ProxyHandler({})]  # never through a proxy: loopback only
             if scheme == "https":
                 handlers.append(urllib.request.HTTPSHandler(context=ssl._create_unverified_context()))
@@ -395,14 +397,19 @@ def signal_group(pid: int, start: int | None, sig: int) -> None:
 # Runs as the container's parent inside its own mount and UTS namespaces: mounts, then runs the
 # command and records its exit code (so a restarted node can still learn it). It ignores the
 # group's SIGTERM itself (a trap, reset for the command on exec) and exits with the command.
-# The exit file and the default working folder are opened before the mounts, which may hide them.
+# A pod may mount a volume over the folder that holds its own files (an emptyDir at /tmp while
+# the state folder is under /tmp): so the exit file and default working folder are opened first,
+# and the pod's folder is reached through a bind mount at /run/tfps-pod made before any other.
 LAUNCHER = r'''
 set -e
-exitfile=$1; workdir=$2; podhost=$3; shift 3
+exitfile=$1; workdir=$2; podhost=$3; poddir=$4; shift 4
 exec 9>"$exitfile"
 case "$workdir" in default:*) cd "${workdir#default:}" ;; esac
+mkdir -p /run/tfps-pod
+mount --bind "$poddir" /run/tfps-pod
 while [ "$1" != "--" ]; do
   src=$1; dst=$2; mode=$3; shift 3
+  case "$src" in "$poddir"/*) src="/run/tfps-pod/${src#"$poddir"/}" ;; esac
   if [ -d "$src" ]; then mkdir -p "$dst"; else mkdir -p "$(dirname "$dst")"; [ -e "$dst" ] || : > "$dst"; fi
   mount --bind "$src" "$dst"
   if [ "$mode" = ro ]; then mount -o remount,bind,ro "$dst"; fi
@@ -1177,7 +1184,8 @@ class PodWorker(threading.Thread):
         c.rundir.mkdir(parents=True, exist_ok=True)
         (c.rundir / "exit").unlink(missing_ok=True)
         cmd = ["unshare", "--mount", "--uts", "--propagation", "private", "/bin/sh", "-c", LAUNCHER, "launcher",
-               str(c.rundir / "exit"), workdir, pod_hostname(self.pod)[:63], *self.mount_args(c), "--", *argv]
+               str(c.rundir / "exit"), workdir, pod_hostname(self.pod)[:63], str(self.dir), *self.mount_args(c),
+               "--", *argv]
         with open(self.logdir / f"{c.name}.log", "ab") as out:
             c.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                        start_new_session=True, cwd=str(self.dir))

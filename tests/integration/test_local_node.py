@@ -368,3 +368,19 @@ def test_two_containers_share_the_pod(cluster, namespace):
     assert {c.name: c.state.terminated.exit_code for c in p.status.container_statuses} == {
         "tensorflow": 0, "sidecar": 0}
     assert "main got hi" in cluster.pod_log(namespace, "pair")
+
+
+def test_volume_over_the_nodes_state_folder(cluster, namespace):
+    """A pod may mount a volume where the node keeps its files (an emptyDir at /tmp while the
+    state folder is under /tmp): its hosts file, token and exit code must still reach it."""
+    code = ("import os, socket, sys\nsa = '/var/run/secrets/kubernetes.io/serviceaccount'\n"
+            "print('hosts', socket.gethostbyname('covered'), 'token', len(open(sa + '/token').read()) > 0,\n"
+            "      'hidden', os.listdir(sys.argv[1]))\nsys.exit(6)\n")
+    body = pod("covered", code, hostname="covered", volumes=[{"name": "cover", "emptyDir": {}}],
+               container={"args": [str(cluster.state_dir)],
+                          "volumeMounts": [{"name": "cover", "mountPath": str(cluster.state_dir)}]})
+    core(cluster).create_namespaced_pod(namespace, body)
+    p = cluster.wait_pod(namespace, "covered", phase_is("Succeeded", "Failed"), what="a final phase")
+    log = cluster.pod_log(namespace, "covered")
+    assert p.status.container_statuses[0].state.terminated.exit_code == 6, log
+    assert f"hosts {p.status.pod_ip} token True hidden []" in log
