@@ -17,20 +17,25 @@ else
 fi
 export PATH="${TFPS_CACHE:-$HOME/.cache/tfps}/bin/current:$PATH"
 
-say "Installing the operator with Helm (release tfps, namespace tfps-system)"
-helm upgrade --install tfps charts/tfps --namespace tfps-system --create-namespace --wait --timeout 5m
+kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+# The demo's operator serves only the demo namespace, so it never competes with the
+# operators that the test tiers start on the same local cluster.
+say "Installing the operator with Helm (release tfps, namespace tfps-system, serving $ns)"
+helm upgrade --install tfps charts/tfps --namespace tfps-system --create-namespace \
+  --set "operator.watchNamespaces={$ns}" --wait --timeout 5m
 kubectl -n tfps-system get pods -l app.kubernetes.io/name=tfps
 
 say "Applying $job_file in namespace $ns"
-kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 job=$($py -c 'import sys; from tfps.runtime.spec import load_manifest; print(load_manifest(sys.argv[1]).name)' "$job_file")
 kubectl -n "$ns" delete trainingjob "$job" --ignore-not-found --wait=true >/dev/null
 kubectl -n "$ns" apply -f "$job_file"
 
 say "Training (progress from the TrainingJob's status)"
-$py hack/demo_watch.py --namespace "$ns" --name "$job"
-rc=$?
+rc=0
+$py hack/demo_watch.py --namespace "$ns" --name "$job" || rc=$?
 
 say "kubectl get tj -n $ns"
 kubectl -n "$ns" get tj -o wide
+echo
+echo "The cluster keeps running: eval \"\$(hack/cluster.sh env)\"; kubectl get tj -A. Stop it with hack/cluster.sh down."
 exit $rc
