@@ -514,6 +514,10 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
         spawn(p, "etcd", etcd_argv(p, info))
         started.append("etcd")
         wait_for("etcd /health", lambda: etcd_healthy(info), 60, "etcd", p)
+    if session is None and info.get("owner") != "manual":
+        # Someone wants this cluster by hand: test sessions must no longer stop it when they end.
+        info["owner"] = "manual"
+        p.info.write_text(json.dumps(info, indent=1))
     url = info["apiserver_url"]
     if not p.kubeconfig.exists():
         write_kubeconfig(p, url)

@@ -2,6 +2,7 @@
 and scheduling are done by the real kube-apiserver, controller-manager and scheduler."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -161,7 +162,9 @@ def test_cluster_sh_up_reuses_a_healthy_cluster(cluster):
 
     cluster_sh = str(Path(__file__).resolve().parents[2] / "hack" / "cluster.sh")
     env = {**cluster.env, "TFPS_STATE": str(cluster.state_dir)}
-    up = subprocess.run([cluster_sh, "up", "--json"], env=env, capture_output=True, text=True, timeout=300)
+    # as this test session, so the cluster stays the session's to stop
+    up = subprocess.run([cluster_sh, "up", "--json", f"--session={os.getpid()}"], env=env, capture_output=True,
+                        text=True, timeout=300)
     assert up.returncode == 0, up.stderr
     assert json.loads(up.stdout.splitlines()[-1])["started"] == []
     status = subprocess.run([cluster_sh, "status"], env=env, capture_output=True, text=True, timeout=60)

@@ -286,7 +286,8 @@ def test_node_restart_adopts_running_pods(cluster, namespace):
     env = {**cluster.env, "TFPS_STATE": str(cluster.state_dir)}
     subprocess.run([cluster_sh, "stop", "localnode"], env=env, check=True, timeout=60)
     assert pid_alive(pid)
-    subprocess.run([cluster_sh, "up"], env=env, check=True, timeout=300, capture_output=True)
+    subprocess.run([cluster_sh, "up", f"--session={os.getpid()}"], env=env, check=True, timeout=300,
+                   capture_output=True)
     time.sleep(2)  # give a duplicate, if there were one, the time to start
     assert pid_alive(pid)
     assert cluster.pod_log(namespace, "survivor").count("pid ") == 1
