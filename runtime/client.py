@@ -14,7 +14,7 @@ import time
 import grpc
 
 from . import wire
-from .ps import GRPC_OPTIONS, POLL_SECONDS, SERVICE
+from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.client")
 

@@ -41,16 +41,9 @@ from .models import Param
 from .optimizers import ShardOptimizer
 from .sharding import Part, initial_part
 from .spec import ConsistencyMode, TrainingSpec
+from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.ps")
-
-SERVICE = "tfps.ParameterServer"
-POLL_SECONDS = 2.0  # longest a Step waits before answering "pending" (the worker re-asks)
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", wire.MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", wire.MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-]
 
 
 class Rejected(wire.WireError):

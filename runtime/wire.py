@@ -19,6 +19,14 @@ import numpy as np
 CHUNK_BYTES = 4 << 20
 MAX_MESSAGE_BYTES = 1 << 30
 _LEN = struct.Struct("<I")
+
+SERVICE = "tfps.ParameterServer"
+POLL_SECONDS = 2.0  # longest a Step waits before answering "pending" (the worker re-asks)
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+]
 DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "float16": np.float16}
 
 

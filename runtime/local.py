@@ -1,0 +1,364 @@
+"""`tfps local FILE`: run a TrainingJob manifest as local processes, no cluster.
+
+PS and worker processes run `tfps ps` / `tfps worker` on loopback (127.0.0.1, free ports)
+with the same environment the operator gives pods, restarted per each replica type's
+restartPolicy within runPolicy.backoffLimit. Success follows successPolicy (worker 0 by
+default). Checkpoints go to spec.training.checkpoint.path, or to the run's work folder.
+
+Python API (for tests and `tfps bench`): `LocalRun(job).run()` returns the result dict;
+`run_job(job)` does the same in one call. `on_status(run, status)` is called on every
+poll with PS 0's status and may inject faults with `run.kill("ps", 0)`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .process import ENV_RESULT_FILE
+from .spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob, load_manifest
+from .tfconfig import (
+    ENV_BIND_ADDRESS,
+    ENV_JOB_NAME,
+    ENV_METRICS_PORT,
+    ENV_NAMESPACE,
+    ENV_TF_CONFIG,
+    ENV_TRAINING,
+    tf_config,
+)
+
+LOOPBACK = "127.0.0.1"
+POLL_SECONDS = 0.25
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Replica:
+    rtype: ReplicaType
+    index: int
+    port: int
+    metrics_port: int
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    exit_code: int | None = None  # final, once it will not be restarted
+    log_path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.rtype.task_type}-{self.index}"
+
+
+@dataclass
+class Fault:
+    """Kill `replica` (e.g. "ps-0") with `sig` once PS 0's global step reaches `step`."""
+
+    replica: str
+    step: int
+    sig: int = signal.SIGKILL
+    fired: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        replica, _, step = text.partition("@")
+        if not step or "-" not in replica:
+            raise ValueError(f"--kill {text!r}: use REPLICA@STEP, e.g. ps-0@300")
+        return cls(replica, int(step))
+
+
+@dataclass
+class LocalRun:
+    job: TrainingJob
+    workdir: Path | None = None
+    on_status: Callable[["LocalRun", dict], None] | None = None
+    faults: list[Fault] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every process
+    keep_workdir: bool = False
+
+    def __post_init__(self):
+        if self.job.spec.training is None:
+            raise ValueError("tfps local runs the built-in runtime: the manifest needs spec.training")
+        self._own_workdir = self.workdir is None
+        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix=f"tfps-{self.job.name}-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        training = self.job.spec.training.model_copy(deep=True)
+        if training.checkpoint.path is None:
+            training.checkpoint.path = str(self.workdir / "checkpoints")
+        self.training = training
+        spec = self.job.spec
+        self.replicas: dict[tuple[str, int], Replica] = {}
+        for rtype in (ReplicaType.PS, ReplicaType.WORKER):
+            for i in range(spec.replicas(rtype)):
+                self.replicas[(rtype.task_type, i)] = Replica(rtype, i, free_port(), free_port())
+        self.result_file = self.workdir / "result-worker-0.json"
+        self.status: dict = {}
+        self.restarts = 0
+        self.events: list[str] = []
+        self._client = None
+
+    # ---- processes ----
+    def _address(self, rtype: ReplicaType, index: int) -> str:
+        replica = self.replicas.get((rtype.task_type, index))
+        return f"{LOOPBACK}:{replica.port if replica else free_port()}"
+
+    def _environment(self, replica: Replica) -> dict[str, str]:
+        cfg = tf_config(self.job.name, self.job.namespace, self.job.spec, replica.rtype, replica.index, address=self._address)
+        env = {
+            **os.environ,
+            ENV_TF_CONFIG: json.dumps(cfg),
+            ENV_JOB_NAME: self.job.name,
+            ENV_NAMESPACE: self.job.namespace,
+            ENV_TRAINING: json.dumps(self.training.to_manifest()),
+            ENV_BIND_ADDRESS: LOOPBACK,
+            ENV_METRICS_PORT: str(replica.metrics_port),
+            "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+            "PYTHONUNBUFFERED": "1",
+            **self.env,
+        }
+        if replica.rtype is ReplicaType.WORKER and replica.index == 0:
+            env[ENV_RESULT_FILE] = str(self.result_file)
+        return env
+
+    def _start(self, replica: Replica) -> None:
+        replica.log_path = self.workdir / f"{replica.name}.log"
+        log = open(replica.log_path, "ab")
+        replica.proc = subprocess.Popen(
+            [sys.executable, "-m", "tfps.cli.main", replica.rtype.task_type],
+            env=self._environment(replica), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        log.close()
+
+    def pid(self, rtype: str, index: int) -> int | None:
+        proc = self.replicas[(rtype, index)].proc
+        return proc.pid if proc and proc.poll() is None else None
+
+    def kill(self, rtype: str, index: int, sig: int = signal.SIGKILL) -> bool:
+        pid = self.pid(rtype, index)
+        if pid is None:
+            return False
+        os.kill(pid, sig)
+        self.events.append(f"sent signal {sig} to {rtype}-{index} (pid {pid}) at step {self.status.get('global_step')}")
+        return True
+
+    def _should_restart(self, replica: Replica, code: int) -> bool:
+        policy = self.job.spec.replica_specs[replica.rtype].restart_policy
+        if replica.rtype is ReplicaType.WORKER and code == 0:
+            return False  # a finished worker is done, whatever the policy
+        if policy is RestartPolicy.NEVER:
+            return False
+        if policy is RestartPolicy.EXIT_CODE:
+            return code < 0 or code >= 128  # killed by a signal, or a retryable exit code
+        return policy is RestartPolicy.ALWAYS or code != 0
+
+    # ---- progress ----
+    def _ps0(self):
+        if self._client is None:
+            from .client import ShardClient
+
+            self._client = ShardClient(self._address(ReplicaType.PS, 0), 0, retry_seconds=0)
+        return self._client
+
+    def poll_status(self) -> dict:
+        try:
+            self.status = self._ps0().status(timeout=1.0)
+        except Exception:  # PS 0 not up yet or restarting: keep the last status
+            pass
+        return self.status
+
+    def _succeeded(self) -> bool:
+        workers = [r for r in self.replicas.values() if r.rtype is ReplicaType.WORKER]
+        if self.job.spec.success_policy is SuccessPolicy.ALL_WORKERS:
+            return all(r.exit_code == 0 for r in workers)
+        return self.replicas[("worker", 0)].exit_code == 0
+
+    def _check_processes(self) -> str | None:
+        """Reap exited processes, restart per policy; returns a failure reason or None."""
+        backoff = self.job.spec.run_policy.backoff_limit
+        for replica in self.replicas.values():
+            if replica.proc is None or replica.exit_code is not None:
+                continue
+            code = replica.proc.poll()
+            if code is None:
+                continue
+            self.events.append(f"{replica.name} exited with code {code} at step {self.status.get('global_step')} ({time.strftime('%H:%M:%S')})")
+            if not self._should_restart(replica, code):
+                replica.exit_code = code
+                if code != 0:
+                    return f"{replica.name} exited with code {code} (restartPolicy {self.job.spec.replica_specs[replica.rtype].restart_policy.value})"
+                continue
+            if self.restarts >= backoff:
+                replica.exit_code = code
+                return f"{replica.name} exited with code {code}; backoffLimit {backoff} reached"
+            self.restarts += 1
+            replica.restarts += 1
+            self.events.append(f"restarting {replica.name} (exit code {code}, restart {self.restarts}/{backoff})")
+            self._start(replica)
+        return None
+
+    def _fire_faults(self) -> None:
+        step = self.status.get("global_step", 0)
+        for fault in self.faults:
+            if not fault.fired and step >= fault.step:
+                rtype, _, index = fault.replica.rpartition("-")
+                fault.fired = self.kill(rtype, int(index), fault.sig)
+
+    def run(self, progress: Callable[[dict], None] | None = None) -> dict:
+        started = time.monotonic()
+        deadline = self.job.spec.run_policy.active_deadline_seconds
+        for replica in self.replicas.values():
+            self._start(replica)
+        failure = None
+        try:
+            while True:
+                time.sleep(POLL_SECONDS)
+                status = self.poll_status()
+                if progress:
+                    progress(status)
+                if self.on_status:
+                    self.on_status(self, status)
+                self._fire_faults()
+                failure = self._check_processes()
+                if failure or self._succeeded():
+                    break
+                if deadline and time.monotonic() - started > deadline:
+                    failure = f"activeDeadlineSeconds {deadline} exceeded"
+                    break
+            if not failure:
+                self._wait_workers(timeout=30)
+                self.poll_status()
+        finally:
+            self._stop_all()
+        return self._result(failure, time.monotonic() - started)
+
+    def _wait_workers(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for replica in self.replicas.values():
+            if replica.rtype is ReplicaType.WORKER and replica.proc is not None:
+                try:
+                    replica.proc.wait(timeout=max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def _stop_all(self) -> None:
+        procs = [r.proc for r in self.replicas.values() if r.proc is not None and r.proc.poll() is None]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._client is not None:
+            self._client.close()
+
+    def _result(self, failure: str | None, wall: float) -> dict:
+        worker0 = {}
+        if self.result_file.exists():
+            worker0 = json.loads(self.result_file.read_text())
+        status = self.status
+        result = {
+            "job": self.job.name,
+            "phase": "Failed" if failure else "Succeeded",
+            "succeeded": failure is None,
+            "reason": failure,
+            "model": self.training.model,
+            "mode": self.training.consistency.mode.value,
+            "steps": status.get("global_step", worker0.get("steps")),
+            "loss": status.get("loss", worker0.get("loss")),
+            "accuracy": worker0.get("accuracy"),
+            "examples_per_second": status.get("examples_per_second"),
+            "examples": status.get("examples"),
+            "wall_seconds": round(wall, 3),
+            "restarts": self.restarts,
+            "events": self.events,
+            "workdir": str(self.workdir),
+        }
+        if failure:
+            result["logs"] = {r.name: _tail(r.log_path) for r in self.replicas.values() if r.log_path}
+        if self._own_workdir and not self.keep_workdir and not failure:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            result["workdir"] = None
+        return result
+
+
+def _tail(path: Path | None, lines: int = 15) -> str:
+    if not path or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def run_job(job: TrainingJob, **kwargs) -> dict:
+    """Run a whole job locally and return the result dict (see LocalRun)."""
+    progress = kwargs.pop("progress", None)
+    return LocalRun(job, **kwargs).run(progress)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="a TrainingJob manifest (YAML)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with the result at the end")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--workdir", help="folder for logs and default checkpoints (kept)")
+    parser.add_argument("--kill", action="append", default=[], metavar="REPLICA@STEP",
+                        help="fault injection: SIGKILL a replica (e.g. ps-0) when the global step reaches STEP")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    job = load_manifest(args.file)
+    console = Console(stderr=True)
+    local = LocalRun(job, workdir=Path(args.workdir) if args.workdir else None,
+                     faults=[Fault.parse(k) for k in args.kill], keep_workdir=bool(args.workdir))
+    steps = local.training.steps
+    if args.no_progress:
+        result = local.run()
+    else:
+        columns = (
+            TextColumn(f"[bold]{job.name}[/] {local.training.consistency.mode.value}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eps]} ex/s"), TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console, transient=False) as bar:
+            task = bar.add_task("train", total=steps, loss="-", eps="-")
+            seen_events = [0]
+
+            def show(status: dict) -> None:
+                loss = status.get("loss")
+                bar.update(task, completed=min(steps, status.get("global_step", 0)),
+                           loss=f"{loss:.4f}" if loss is not None else "-",
+                           eps=f"{status.get('examples_per_second', 0):,.0f}")
+                for event in local.events[seen_events[0]:]:
+                    bar.console.log(event)
+                seen_events[0] = len(local.events)
+
+            result = local.run(show)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "logs"}))
+    else:
+        acc = result["accuracy"]
+        console.print(
+            f"{result['phase']}: steps {result['steps']}, loss {result['loss']}, "
+            f"accuracy {acc if acc is None else round(acc, 4)}, {result['examples_per_second'] or 0:,.0f} examples/s, "
+            f"{result['wall_seconds']:.1f} s, restarts {result['restarts']}"
+        )
+    if not result["succeeded"]:
+        console.print(f"[red]failed:[/] {result['reason']}")
+        for name, tail in result.get("logs", {}).items():
+            console.print(f"[bold]--- {name} (last lines)[/]\n{tail}", markup=False, highlight=False)
+        return 1
+    return 0
