@@ -508,6 +508,7 @@ class LocalNode:
         self.pods: dict[str, dict] = {}  # uid -> pod, the pods bound to this node
         self.services: dict[str, dict[str, dict]] = {}  # ns -> name -> Service
         self.workers: dict[str, PodWorker] = {}
+        self.finished: set[str] = set()  # uids of pods this node has stopped and removed
         self.ips_file = self.state / "pod-ips.json"
         self.ips: dict[str, str] = self._load_ips()
         self.stopping = threading.Event()
@@ -555,11 +556,12 @@ class LocalNode:
                     "lastHeartbeatTime": t, "lastTransitionTime": self.started_at}
 
         uname = platform.uname()
+        arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(uname.machine, uname.machine)
         return {
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": self.args.node_name, "labels": {
                 "kubernetes.io/hostname": self.args.node_name, "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": {"x86_64": "amd64", "aarch64": "arm64"}.get(uname.machine, uname.machine),
+                "kubernetes.io/arch": arch,
                 "tfps.io/local-node": "true"}},
             "status": {
                 "capacity": self.alloc, "allocatable": self.alloc,
@@ -576,7 +578,7 @@ class LocalNode:
                 "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": uname.release,
                              "osImage": "tfps local node", "containerRuntimeVersion": RUNTIME,
                              "kubeletVersion": self.kube_version, "kubeProxyVersion": "",
-                             "operatingSystem": "linux", "architecture": "amd64"},
+                             "operatingSystem": "linux", "architecture": arch},
             },
         }
 
@@ -607,6 +609,9 @@ class LocalNode:
                     self.send_error(501, "the tfps local node serves container logs only")
                     return
                 ns, pod, container = parts[1:]
+                if not all(re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", x) for x in parts[1:]):
+                    self.send_error(400, "invalid namespace, pod or container name")
+                    return
                 q = {k: v[-1] for k, v in parse_qs(url.query).items()}
                 path = node.logs_dir / ns / pod / f"{container}.log"
                 if not path.exists():
@@ -750,7 +755,9 @@ class LocalNode:
             else:
                 self.pods[uid] = pod
                 w = self.workers.get(uid)
-                if w is None:
+                if uid in self.finished:
+                    pass
+                elif w is None:
                     w = self.workers[uid] = PodWorker(self, pod)
                     w.start()
                 else:
@@ -924,8 +931,11 @@ class PodWorker(threading.Thread):
     def run(self) -> None:
         try:
             self.lifecycle()
+            with self.node.lock:
+                self.node.finished.add(self.uid)  # late events of a removed pod start nothing
         except Exception:
-            ev(logging.ERROR, "pod worker crashed", exc_info=True, **self.f())
+            ev(logging.ERROR, "pod worker crashed (the next event of the pod starts another)", exc_info=True,
+               **self.f())
         finally:
             with self.node.lock:
                 if self.node.workers.get(self.uid) is self:
@@ -980,7 +990,9 @@ class PodWorker(threading.Thread):
         ev(logging.WARNING, "pod cannot run", reason=reason, message=msg, **self.f())
 
     def adopt(self) -> None:
-        self.prepared = (self.dir / "hosts").exists()
+        # prepare() runs again (it keeps emptyDir contents and rewrites the other volumes in place)
+        # so a container that restarts later finds its volumes.
+        self.prepared = False
         for c in self.containers:
             if "running" in c.state and alive(c.pid, c.start):
                 ev(logging.INFO, "adopted running container", container=c.name, pid=c.pid, **self.f())
@@ -1011,9 +1023,10 @@ class PodWorker(threading.Thread):
                 if self.containers[0].state.get("waiting", {}).get("message") != msg:
                     ev(logging.WARNING, "pod set-up failed, retrying", error=msg, **self.f())
                 for c in self.containers:
-                    c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": msg}}
-                return
-            self.prepared = True
+                    if not c.running():  # an adopted process keeps running meanwhile
+                        c.state = {"waiting": {"reason": "CreateContainerConfigError", "message": msg}}
+            else:
+                self.prepared = True
         now = time.monotonic()
         for c in self.containers:
             if c.running() and c.kill_reason:
@@ -1025,7 +1038,7 @@ class PodWorker(threading.Thread):
                 code = c.poll_exit()
                 if code is not None:
                     self.exited(c, code)
-            if not c.running() and not c.done and now >= c.next_start:
+            if self.prepared and not c.running() and not c.done and now >= c.next_start:
                 try:
                     self.start_container(c)
                 except Exception as e:
