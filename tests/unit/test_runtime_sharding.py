@@ -1,0 +1,42 @@
+"""Placement of parameters on PS shards: deterministic, size-balanced, tables partitioned."""
+import numpy as np
+
+from tfps.runtime.models import Param, load_model
+from tfps.runtime.sharding import place, route_rows
+
+
+def test_same_inputs_give_the_same_plan():
+    params = load_model("mlp", {"inputDim": 784, "hidden": [2048, 2048]}).params
+    assert place(params, 2) == place(params, 2)
+
+
+def test_large_dense_variables_are_split_and_load_is_balanced():
+    params = load_model("mlp", {"inputDim": 784, "hidden": [2048, 2048]}).params
+    plan = place(params, 2)
+    assert {p.var for p in plan.parts if "/part-" in p.name} == {"dense_0/kernel", "dense_1/kernel"}
+    loads = plan.load()
+    assert max(loads) / min(loads) < 1.05
+    assert sum(loads) == sum(p.size for p in params)
+
+
+def test_parts_cover_every_row_exactly_once():
+    params = load_model("wide-deep", {"vocabSize": 1000, "fields": 4}).params
+    plan = place(params, 3)
+    for p in params:
+        parts = sorted(plan.parts_of(p.name), key=lambda q: q.start)
+        assert parts[0].start == 0 and parts[-1].stop == p.shape[0]
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+    assert len(plan.parts_of("embedding")) == 3  # tables always partitioned
+
+
+def test_one_ps_keeps_everything_whole():
+    params = load_model("digits-mlp").params
+    plan = place(params, 1)
+    assert [p.name for p in plan.parts] and all("/part-" not in p.name for p in plan.parts)
+
+
+def test_route_rows_splits_ids_by_part():
+    plan = place([Param("t", (10, 2), sparse=True, feature="ids")], 2)
+    ids = np.array([0, 3, 5, 9], np.int64)
+    routes = route_rows(plan.parts_of("t"), ids)
+    assert [(part.ps, list(pos), list(local)) for part, pos, local in routes] == [(0, [0, 1], [0, 3]), (1, [2, 3], [0, 4])]

@@ -1,0 +1,60 @@
+"""The PS wire format: raw tensor bytes round-trip, and malformed messages are named."""
+import numpy as np
+import pytest
+
+from tfps.runtime import wire
+
+
+def test_round_trip_keeps_names_dtypes_shapes_and_values():
+    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "idx": np.array([5, 1], np.int64), "s": np.float32(2.5).reshape(())}
+    msg = wire.decode(wire.encode({"worker": 1, "tag": 7}, tensors))
+    assert msg.meta == {"worker": 1, "tag": 7}
+    for name, arr in tensors.items():
+        assert msg.tensors[name].dtype == arr.dtype
+        np.testing.assert_array_equal(msg.tensors[name], arr)
+
+
+def test_chunked_message_joins_to_the_same_bytes():
+    big = {"w": np.random.default_rng(0).normal(size=(300, 1000)).astype(np.float32)}
+    chunks = wire.encode_chunks({"a": 1}, big, chunk=100_000)
+    assert len(chunks) > 10 and all(len(c) <= 100_000 for c in chunks)
+    assert wire.join(chunks) == wire.encode({"a": 1}, big)
+    np.testing.assert_array_equal(wire.decode(wire.join(chunks)).tensors["w"], big["w"])
+    assert b"".join(wire.iter_chunks(wire.join(chunks), chunk=100_000)) == wire.join(chunks)
+
+
+@pytest.mark.parametrize(
+    "mangle, reason",
+    [
+        (lambda b: b[:-3], "truncated"),
+        (lambda b: b[:2], "truncated"),
+        (lambda b: b + b"xx", "truncated"),
+        (lambda b: b[:4] + b"{not json" + b[13:], "malformed"),
+    ],
+)
+def test_malformed_messages_name_their_reason(mangle, reason):
+    data = wire.encode({"x": 1}, {"w": np.ones((4, 4), np.float32)})
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(mangle(data))
+    assert err.value.reason == reason
+
+
+def test_header_that_lies_about_size_is_wrong_shape():
+    import json
+    import struct
+
+    header = json.dumps({"meta": {}, "tensors": [["w", "float32", [4, 4], 60]]}).encode()
+    data = struct.pack("<I", len(header)) + header + bytes(60)
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(data)
+    assert err.value.reason == "wrong_shape"
+
+
+def test_unknown_dtype_is_refused():
+    import json
+    import struct
+
+    header = json.dumps({"meta": {}, "tensors": [["w", "object", [1], 8]]}).encode()
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(struct.pack("<I", len(header)) + header + bytes(8))
+    assert err.value.reason == "wrong_dtype"
