@@ -317,7 +317,7 @@ def probe_once(probe: dict, ip: str, container: dict, pid: int | None, env: dict
             from grpc_health.v1 import health_pb2, health_pb2_grpc
 
             g = probe["grpc"]
-            with grpc.insecure_channel(f"{ip}:{g['port']}") as ch:
+            with grpc.insecure_channel(f"{ip}:{g['port']}", options=[("grpc.enable_http_proxy", 0)]) as ch:
                 resp = health_pb2_grpc.HealthStub(ch).Check(
                     health_pb2.HealthCheckRequest(service=g.get("service", "")), timeout=timeout)
                 ok = resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -270,13 +270,14 @@ def test_pod_env_volumes_and_service_account(cluster, namespace):
 
 
 def test_node_restart_adopts_running_pods(cluster, namespace):
-    """A restarted local node neither loses nor duplicates a pod's process, and still learns its
-    exit code."""
+    """A restarted local node neither loses nor duplicates a pod's process, still learns its exit
+    code, and restarts it later with its volumes (restartPolicy OnFailure)."""
     import subprocess
 
     code = ("import os, sys, time\nprint('pid', os.getpid(), flush=True)\n"
+            "if os.path.exists('/scratch/go'): sys.exit(0)\n"
             "while not os.path.exists('/scratch/go'): time.sleep(0.2)\nsys.exit(5)\n")
-    body = pod("survivor", code, volumes=[{"name": "scratch", "emptyDir": {}}],
+    body = pod("survivor", code, restart="OnFailure", volumes=[{"name": "scratch", "emptyDir": {}}],
                container={"volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]})
     uid = core(cluster).create_namespaced_pod(namespace, body).metadata.uid
     cluster.wait_pod(namespace, "survivor", running, what="Running")
@@ -296,8 +297,9 @@ def test_node_restart_adopts_running_pods(cluster, namespace):
 
     (cluster.state_dir / "run" / uid / "volumes" / "scratch" / "go").touch()
     p = cluster.wait_pod(namespace, "survivor", phase_is("Succeeded", "Failed"), what="a final phase")
-    assert p.status.phase == "Failed"
-    assert p.status.container_statuses[0].state.terminated.exit_code == 5
+    assert p.status.phase == "Succeeded", cluster.pod_log(namespace, "survivor")
+    cs = p.status.container_statuses[0]
+    assert cs.restart_count == 1 and cs.last_state.terminated.exit_code == 5
 
 
 def test_kubectl_logs_reads_the_pods_output(cluster, namespace):
