@@ -24,7 +24,7 @@ from .procs import LOOPBACK, child_env, free_port, module_cmd
 MODULE = "tfps.bench.anchor_tf_pss"
 log = logging.getLogger(MODULE)
 
-CHUNK_PER_WORKER = 16  # steps scheduled at a time, per worker
+CHUNK_SECONDS = 0.5
 MAX_CHUNKS_IN_FLIGHT = 2  # bounds the coordinator's queue so the window ends on time
 
 
@@ -76,10 +76,18 @@ def measure(args: argparse.Namespace) -> dict:
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
         )
-        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+        partitioner = None
+        if args.partition and args.ps > 1:
+            # as TF's parameter-server tutorial does: large variables split across the PS
+            partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+                min_shard_bytes=256 << 10, max_shards=args.ps
+            )
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, mlp.initial_values(model, args.seed))]
+        # the variables as stored: a partitioned one (ShardedVariable) is several, one per PS
+        shards = [v for p in params for v in getattr(p, "variables", [p])]
         lr = tf.constant(args.learning_rate, tf.float32)
 
         def dataset_fn(context):
@@ -97,21 +105,25 @@ def measure(args: argparse.Namespace) -> dict:
             def replica_fn(x, y):
                 with tf.GradientTape() as tape:
                     loss = mlp.loss_fn(model, params, x, y)
-                for var, grad in zip(params, tape.gradient(loss, params)):
+                for var, grad in zip(shards, tape.gradient(loss, shards)):
                     var.assign_sub(lr * grad)  # plain SGD, applied on the variable's PS
                 return loss
 
             x, y = next(it)
             return strategy.run(replica_fn, args=(x, y))
 
-        chunk = CHUNK_PER_WORKER * args.workers
-        warm_start = time.perf_counter()
-        while True:  # at least one chunk (tracing), then until the warm-up time is spent
-            for _ in range(chunk):
+        warm_start, warm_steps = time.perf_counter(), 0
+        while True:  # at least one round (tracing), then until the warm-up time is spent
+            for _ in range(args.workers * 4):
                 coordinator.schedule(step_fn, args=(iterator,))
             coordinator.join()
+            warm_steps += args.workers * 4
             if time.perf_counter() - warm_start >= args.warmup_seconds:
                 break
+        # Schedule in chunks of about CHUNK_SECONDS of work, at most MAX_CHUNKS_IN_FLIGHT
+        # queued, so the window ends close to `seconds` whatever the model's speed.
+        rate = warm_steps / (time.perf_counter() - warm_start)
+        chunk = max(args.workers, int(rate * CHUNK_SECONDS))
 
         in_flight: collections.deque[list] = collections.deque()
         steps = 0
@@ -157,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tfps.bench.anchor_tf_pss", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--partition", action=argparse.BooleanOptionalAction, default=True,
+                        help="split large variables across the PS (MinSizePartitioner)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)

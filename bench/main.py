@@ -139,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = settings(args)
     console = Console(stderr=True) if args.json else Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 150)  # logs and pipes: keep each row on one line
     status = Console(stderr=True)
 
     def progress(text: str) -> None:

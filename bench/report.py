@@ -9,13 +9,17 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-# What is measured per shape, in the order of a repeat.
+# What is measured per shape, in the order of a repeat: key -> label.
 SYSTEMS: dict[str, str] = {
-    "ceiling": "compute-only ceiling (no PS)",
-    "tf_pss": "TF ParameterServerStrategy (async)",
+    "ceiling": "ceiling (no PS)",
+    "tf_pss": "TF strategy (async)",
     "tfps_async": "tfps async",
     "tfps_sync": "tfps sync",
 }
+LEGEND = (
+    "TF strategy = tf.distribute ParameterServerStrategy with ClusterCoordinator; ceiling = the same "
+    "number of worker processes computing gradients with no PS at all."
+)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ def render(report: dict[str, Any], console) -> None:
             *[_fmt_rate(shape["median_examples_per_second"][s]) for s in SYSTEMS],
         )  # fmt: skip
     console.print(rates)
+    console.print(LEGEND)
 
     ratios = Table(title="ratios (paired within a repeat; median over repeats)")
     ratios.add_column("shape")

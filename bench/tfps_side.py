@@ -1,7 +1,7 @@
 """tfps's side of the benchmark: a generated TrainingJob run by `tfps local --json`.
 
 The manifest trains the built-in `mlp` with the shape's sizes, batch, workers and PS, plain
-SGD like the anchors, no checkpoints. `tfps local` reports the steady-state
+SGD like the anchors, no periodic checkpoints. `tfps local` reports the steady-state
 examples/s (start-up excluded) in its JSON result.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .mlp import MODEL, Shape
 from .procs import MeasurementError, module_cmd, run_json
 
 MIN_STEPS = 50
+NO_CHECKPOINT_STEPS = 1_000_000_000
 STARTUP_ALLOWANCE_S = 120.0  # processes importing TensorFlow on a busy 2-core machine
 
 
@@ -46,6 +47,8 @@ def manifest(shape: Shape, mode: str, steps: int, learning_rate: float = 0.01, s
                 "batchSize": shape.batch,
                 "steps": steps,
                 "consistency": {"mode": mode},
+                # no periodic checkpoints, as on the anchors' side (tfps local writes them by default)
+                "checkpoint": {"everySteps": NO_CHECKPOINT_STEPS},
             },
             "runPolicy": {"backoffLimit": 0},
         },
@@ -59,8 +62,10 @@ def measure(shape: Shape, mode: str, examples: float, expected_rate: float, lear
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="tfps-bench-") as fh:
         yaml.safe_dump(manifest(shape, mode, steps, learning_rate, seed), fh)
         fh.flush()
-        result = run_json(module_cmd("tfps.cli.main", "local", fh.name, "--json"), timeout, f"tfps local ({shape.name}, {mode})")
+        result = run_json(module_cmd("tfps.cli.main", "local", fh.name, "--json", "--no-progress"), timeout, f"tfps local ({shape.name}, {mode})")
     rate = result.get("examples_per_second")
     if not isinstance(rate, (int, float)) or rate <= 0:
         raise MeasurementError(f"tfps local ({shape.name}, {mode}): no examples_per_second in {result}")
-    return {"system": f"tfps_{mode}", "steps": steps, **result}
+    if not result.get("succeeded", True):
+        raise MeasurementError(f"tfps local ({shape.name}, {mode}): {result.get('reason')}")
+    return {"system": f"tfps_{mode}", **result}

@@ -1,0 +1,169 @@
+"""Operator benchmark (not a test): 20 TrainingJobs of 2 PS + 8 workers on the local
+control plane; time from create to all pods created and to phase Running (p50, p99),
+and the operator process's CPU seconds and peak memory.
+
+    python -m tfps.bench.operator [--jobs 20] [--workers 8] [--ps 2]
+
+Needs the control plane up (hack/cluster.sh up). The pods are never run: this process
+plays the kubelet and writes each new pod's status Running as soon as it sees the pod
+(so "to Running" includes that write and the operator's reaction to it). Goal from the
+issue: p50 <= 1 s to all pods created.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+GROUP, VERSION, PLURAL = "tfps.io", "v1alpha1", "trainingjobs"
+UNSCHEDULABLE = {"spec": {"nodeSelector": {"tfps.io/bench": "status-set-by-bench"}}}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+    return values[k]
+
+
+def _proc_usage(pid: int) -> tuple[float, int]:
+    """CPU seconds (user+system) and peak RSS in bytes of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks
+    peak = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            peak = int(line.split()[1]) * 1024
+    return cpu, peak
+
+
+def _job(name: str, ps: int, workers: int) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": name},
+            "spec": {"replicaSpecs": {"PS": {"replicas": ps, "template": UNSCHEDULABLE},
+                                      "Worker": {"replicas": workers, "template": UNSCHEDULABLE}},
+                     "training": {"steps": 10}}}
+
+
+def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, timeout: float = 180.0) -> dict:
+    from kubernetes import client, config, watch
+
+    api = config.new_client_from_config(config_file=kubeconfig)
+    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    ns = f"bench-operator-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+    while True:  # pods are refused until the namespace's default ServiceAccount exists
+        try:
+            core.read_namespaced_service_account("default", ns)
+            break
+        except client.ApiException:
+            time.sleep(0.2)
+
+    env = {**os.environ, "KUBECONFIG": kubeconfig, "TFPS_OPERATOR_CONFIG": ""}
+    log = tempfile.NamedTemporaryFile("w", prefix="tfps-operator-bench-", suffix=".log", delete=False)
+    operator = subprocess.Popen([sys.executable, "-m", "tfps.cli.main", "operator", "-n", ns, "--standalone",
+                                 "--metrics-port", "0", "--health-port", "0", "--log-level", "warning"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    created_at: dict[str, float] = {}
+    pods_seen: dict[str, list[float]] = {}
+    running_at: dict[str, float] = {}
+    stop = threading.Event()
+    per_job = ps + workers
+
+    def kubelet():
+        """Sees each new pod (records when) and reports it Running, as a kubelet would."""
+        w = watch.Watch()
+        while not stop.is_set():
+            for ev in w.stream(core.list_namespaced_pod, ns, timeout_seconds=5):
+                pod = ev["object"]
+                if ev["type"] != "ADDED":
+                    continue
+                now = time.monotonic()
+                job = pod.metadata.labels.get("tfps.io/job-name")
+                pods_seen.setdefault(job, []).append(now)
+                status = {"phase": "Running", "podIP": "127.0.0.1", "containerStatuses": [{
+                    "name": "tensorflow", "image": pod.spec.containers[0].image, "imageID": "", "ready": True,
+                    "restartCount": 0, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}
+                try:
+                    core.patch_namespaced_pod_status(pod.metadata.name, ns, {"status": status})
+                except client.ApiException:
+                    pass
+                if stop.is_set():
+                    break
+
+    def job_watcher():
+        w = watch.Watch()
+        while not stop.is_set():
+            for ev in w.stream(custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL, timeout_seconds=5):
+                obj = ev["object"]
+                name = obj["metadata"]["name"]
+                if (obj.get("status") or {}).get("phase") == "Running" and name not in running_at:
+                    running_at[name] = time.monotonic()
+                if stop.is_set():
+                    break
+
+    threads = [threading.Thread(target=kubelet, daemon=True), threading.Thread(target=job_watcher, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        # Wait until the operator serves (its first reconcile of a probe job), so the start-up is not timed.
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job("warmup", 1, 1))
+        deadline = time.monotonic() + 60
+        while "warmup" not in running_at and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cpu0, _ = _proc_usage(operator.pid)
+        for i in range(jobs):
+            name = f"job-{i:02d}"
+            created_at[name] = time.monotonic()
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job(name, ps, workers))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(n in running_at for n in created_at):
+            time.sleep(0.1)
+        cpu1, peak = _proc_usage(operator.pid)
+    finally:
+        stop.set()
+        for item in custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]:
+            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, item["metadata"]["name"])
+        end = time.monotonic() + 60
+        while custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"] and time.monotonic() < end:
+            time.sleep(0.2)
+        operator.terminate()
+        operator.wait(20)
+        core.delete_namespace(ns)
+
+    to_pods = [max(pods_seen[n]) - t for n, t in created_at.items() if len(pods_seen.get(n, [])) >= per_job]
+    to_running = [running_at[n] - t for n, t in created_at.items() if n in running_at]
+    return {
+        "jobs": jobs, "pods_per_job": per_job,
+        "jobs_all_pods_created": len(to_pods), "jobs_running": len(to_running),
+        "to_all_pods_created_s": {"p50": round(_percentile(to_pods, 0.5), 3), "p99": round(_percentile(to_pods, 0.99), 3)} if to_pods else None,
+        "to_running_s": {"p50": round(_percentile(to_running, 0.5), 3), "p99": round(_percentile(to_running, 0.99), 3)} if to_running else None,
+        "operator_cpu_seconds": round(cpu1 - cpu0, 2),
+        "operator_peak_rss_mib": round(peak / 2**20, 1),
+        "goal_p50_to_all_pods_created_s": 1.0,
+        "operator_log": log.name,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tfps.bench.operator", description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=20)
+    parser.add_argument("--ps", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG") or str(REPO / ".tfps" / "kubeconfig"))
+    args = parser.parse_args(argv)
+    result = run_bench(args.kubeconfig, args.jobs, args.ps, args.workers)
+    print(json.dumps(result, indent=2))
+    return 0 if result["jobs_running"] == args.jobs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
