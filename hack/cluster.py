@@ -503,6 +503,7 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
         for comp in reversed(COMPONENTS[1:]):
             stop(p, comp)
             running[comp] = False
+        stop_pods(p)
         shutil.rmtree(p.etcd_data, ignore_errors=True)
         info = {"etcd_port": free_port(), "etcd_peer_port": free_port(), "apiserver_port": free_port(),
                 "owner": "session" if session else "manual"}
@@ -562,12 +563,16 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
     return info
 
 
-def down(p: Paths, purge: bool) -> None:
-    stop(p, "localnode")
-    if (p.root / "pods").exists():
-        # The node leaves pod processes running across its own restarts; a full stop ends them.
+def stop_pods(p: Paths) -> None:
+    """The node leaves pod processes running across its own restarts; a full stop ends them."""
+    if (p.root / "run").exists():
         subprocess.run([venv_python(), str(REPO / "hack" / "localnode.py"), "stop-pods",
                         f"--state-dir={p.root}"], check=False)
+
+
+def down(p: Paths, purge: bool) -> None:
+    stop(p, "localnode")
+    stop_pods(p)
     for comp in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
         stop(p, comp)
     if purge:

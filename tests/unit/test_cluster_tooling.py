@@ -1,0 +1,95 @@
+"""hack/cluster.py without a running cluster: the PKI it makes, where it looks for binaries,
+and how test sessions share one cluster."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "tfps_hack_cluster_unit", Path(__file__).resolve().parents[2] / "hack" / "cluster.py")
+hc = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = hc
+_spec.loader.exec_module(hc)
+
+
+def openssl_text(cert: Path) -> str:
+    return subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-text"], capture_output=True,
+                          text=True, check=True).stdout
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> hc.Paths:
+    p = hc.Paths(tmp_path_factory.mktemp("state"))
+    hc.ensure_pki(p)
+    return p
+
+
+def test_pki_certificates_chain_to_the_ca(pki):
+    d = pki.pki
+    for leaf in ("apiserver", "admin", "kubelet"):
+        out = subprocess.run(["openssl", "verify", "-CAfile", str(d / "ca.crt"), str(d / f"{leaf}.crt")],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+    serving = openssl_text(d / "apiserver.crt")
+    assert "IP Address:127.0.0.1" in serving and "DNS:kubernetes.default.svc" in serving
+    assert "TLS Web Server Authentication" in serving
+    admin = openssl_text(d / "admin.crt")
+    assert "O = system:masters" in admin and "TLS Web Client Authentication" in admin
+    assert (d / "sa.key").stat().st_mode & 0o077 == 0
+    assert "PUBLIC KEY" in (d / "sa.pub").read_text()
+
+
+def test_pki_is_made_once(pki):
+    before = (pki.pki / "ca.crt").read_bytes()
+    hc.ensure_pki(pki)
+    assert (pki.pki / "ca.crt").read_bytes() == before
+
+
+def test_kubeconfig_points_at_loopback(pki):
+    hc.write_kubeconfig(pki, "https://127.0.0.1:6443")
+    text = pki.kubeconfig.read_text()
+    assert "server: https://127.0.0.1:6443" in text
+    assert str(pki.pki / "admin.crt") in text
+
+
+def test_binaries_come_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TFPS_CACHE", str(tmp_path))
+    versions = hc.read_versions()
+    assert hc.binary("etcd") == tmp_path / "bin" / f"etcd-{versions['ETCD_VERSION']}" / "etcd"
+    assert hc.binary("kubectl") == tmp_path / "bin" / f"kubernetes-{versions['KUBERNETES_VERSION']}" / "kubectl"
+    assert "kube-apiserver" in hc.missing_binaries()
+    link = tmp_path / "bin" / "current" / "kubectl"
+    link.parent.mkdir(parents=True)
+    link.write_text("")
+    assert hc.binary("kubectl") == link
+
+
+def test_apiserver_flags_keep_traffic_on_loopback(pki):
+    info = {"etcd_port": 1, "etcd_peer_port": 2, "apiserver_port": 3}
+    argv = hc.apiserver_argv(pki, info)
+    assert "--bind-address=127.0.0.1" in argv and "--advertise-address=127.0.0.1" in argv
+    assert "--kubelet-preferred-address-types=InternalIP" in argv
+    assert "--etcd-servers=http://127.0.0.1:1" in argv
+    assert all("127.0.0.1" in a for a in hc.etcd_argv(pki, info) if "urls" in a or "initial-cluster=" in a)
+
+
+def test_sessions_dead_ones_are_forgotten(tmp_path):
+    p = hc.Paths(tmp_path)
+    hc.register_session(p, os.getpid())
+    (p.sessions / "999999999").write_text(json.dumps([999999999, 1]))
+    assert hc.live_sessions(p) == [os.getpid()]
+    assert not (p.sessions / "999999999").exists()
+
+
+def test_release_leaves_a_cluster_started_by_hand(tmp_path):
+    p = hc.Paths(tmp_path)
+    p.info.write_text(json.dumps({"owner": "manual"}))
+    hc.register_session(p, os.getpid())
+    assert hc.release(p, os.getpid()) is False
+    assert hc.live_sessions(p) == []
