@@ -1,0 +1,50 @@
+"""Consistency modes over real gRPC on loopback (PS shards and workers in one process).
+
+- sync: N workers x batch B give the same parameters as 1 worker x batch N*B.
+- async and bounded converge on digits-mlp.
+"""
+import numpy as np
+import pytest
+
+from tfps.runtime.inprocess import InProcessCluster
+from tfps.runtime.spec import TrainingSpec
+
+pytestmark = pytest.mark.integration
+
+
+def _training(**kw) -> TrainingSpec:
+    base = {"model": "digits-mlp", "seed": 0, "steps": 20, "batchSize": 16, "optimizer": {"name": "sgd", "learningRate": 0.1},
+            "consistency": {"mode": "sync"}}
+    base.update(kw)
+    return TrainingSpec.model_validate(base)
+
+
+def _final_params(training: TrainingSpec, num_ps: int, num_workers: int) -> dict:
+    with InProcessCluster(training, num_ps=num_ps, num_workers=num_workers) as cluster:
+        workers, result = cluster.train()
+        assert result["steps"] == training.steps
+        assert all(w.steps_done == training.steps for w in workers)
+        return cluster.parameters()
+
+
+@pytest.mark.parametrize("optimizer", [{"name": "sgd", "learningRate": 0.1}, {"name": "adam", "learningRate": 0.01}])
+def test_sync_n_workers_equal_one_worker_with_n_times_the_batch(optimizer):
+    n, batch = 3, 8
+    many = _final_params(_training(batchSize=batch, optimizer=optimizer), num_ps=2, num_workers=n)
+    one = _final_params(_training(batchSize=n * batch, optimizer=optimizer), num_ps=2, num_workers=1)
+    start = {p.name: p.initial_value(0) for p in InProcessCluster(_training()).model().params}
+    for name in one:
+        assert not np.allclose(one[name], start[name]), f"{name} did not train"
+        np.testing.assert_allclose(many[name], one[name], rtol=1e-4, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("mode", ["async", "bounded"])
+def test_async_modes_converge_on_digits(mode):
+    training = _training(steps=400, batchSize=32, optimizer={"name": "adam", "learningRate": 0.003},
+                         consistency={"mode": mode, "staleness": 2})
+    with InProcessCluster(training, num_ps=2, num_workers=2) as cluster:
+        workers, result = cluster.train()
+        assert result["accuracy"] >= 0.93
+        assert cluster.shards[0].version == training.steps
+        # every push was applied on arrival: both workers did part of the steps
+        assert sum(w.steps_done for w in workers) >= training.steps and min(w.steps_done for w in workers) > 50
