@@ -311,22 +311,29 @@ def test_kubectl_logs_reads_the_pods_output(cluster, namespace):
     assert cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1").stdout == "line 2\n"
 
 
-SLOW_SERVER = """
+GATED_SERVER = """
 import http.server, os, time
-time.sleep(3)
+while not os.path.exists('/gate/open'):
+    time.sleep(0.1)
 print('serving', flush=True)
 http.server.HTTPServer((os.environ['POD_IP'], 8080), http.server.SimpleHTTPRequestHandler).serve_forever()
 """
 
 
 def test_readiness_probe_gates_ready(cluster, namespace):
+    """Running but not Ready until the readiness probe (HTTP, named port) succeeds."""
     env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-    body = pod("web", SLOW_SERVER, restart="Always", container={
+    body = pod("web", GATED_SERVER, restart="Always", volumes=[{"name": "gate", "emptyDir": {}}], container={
         "env": env, "ports": [{"name": "http", "containerPort": 8080}],
+        "volumeMounts": [{"name": "gate", "mountPath": "/gate"}],
         "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1}})
-    core(cluster).create_namespaced_pod(namespace, body)
-    p = cluster.wait_pod(namespace, "web", running, what="Running")
+    uid = core(cluster).create_namespaced_pod(namespace, body).metadata.uid
+    cluster.wait_pod(namespace, "web", running, what="Running")
+    time.sleep(2)  # a few probes fail meanwhile
+    p = core(cluster).read_namespaced_pod("web", namespace)
     assert p.status.container_statuses[0].ready is False
+    assert {c.type: c.status for c in p.status.conditions}["Ready"] == "False"
+    (cluster.state_dir / "run" / uid / "volumes" / "gate" / "open").touch()
     ready = cluster.wait_pod(namespace, "web", lambda p: p.status.container_statuses[0].ready, what="ready")
     assert {c.type: c.status for c in ready.status.conditions}["Ready"] == "True"
     assert "serving" in cluster.pod_log(namespace, "web")
@@ -342,10 +349,13 @@ print('first run', flush=True); time.sleep(2); os.remove('/state/healthy'); time
 
 
 def test_liveness_probe_failure_restarts_container(cluster, namespace):
+    """Exec probes run inside the pod's mounts; the startup probe holds the liveness probe back
+    until the process is up; a failing liveness probe kills the container, which restarts."""
+    health = {"exec": {"command": ["test", "-f", "/state/healthy"]}, "periodSeconds": 1}
     body = pod("sick", UNHEALTHY_LATER, restart="OnFailure", volumes=[{"name": "state", "emptyDir": {}}], container={
         "volumeMounts": [{"name": "state", "mountPath": "/state"}],
-        "livenessProbe": {"exec": {"command": ["test", "-f", "/state/healthy"]}, "initialDelaySeconds": 1,
-                          "periodSeconds": 1, "failureThreshold": 2}})
+        "startupProbe": {**health, "failureThreshold": 120},
+        "livenessProbe": {**health, "failureThreshold": 2}})
     core(cluster).create_namespaced_pod(namespace, body)
     p = cluster.wait_pod(namespace, "sick", phase_is("Succeeded", "Failed"), what="a final phase")
     assert p.status.phase == "Succeeded", cluster.pod_log(namespace, "sick")
@@ -362,7 +372,7 @@ def test_two_containers_share_the_pod(cluster, namespace):
     body["spec"]["containers"][0]["env"] = env
     body["spec"]["containers"].append({
         "name": "sidecar", "image": "tfps/ps:test", "env": env, "command": ["python", "-c",
-            "import socket, os, time\nfor _ in range(100):\n    try:\n"
+            "import socket, os, time\nfor _ in range(600):\n    try:\n"
             "        socket.create_connection((os.environ['POD_IP'], 7000)).sendall(b'hi'); break\n"
             "    except OSError: time.sleep(0.1)\n"]})
     core(cluster).create_namespaced_pod(namespace, body)
