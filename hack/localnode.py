@@ -874,7 +874,7 @@ class LocalNode:
 def stop_recorded(rundir_of_pod: Path, grace: float) -> None:
     """End every recorded container process under one pod's run folder: TERM, grace, KILL."""
     procs = []
-    for rec in rundir_of_pod.glob("containers/*/proc.json"):
+    for rec in rundir_of_pod.glob("*/*/proc.json"):  # containers/ and init/
         try:
             r = json.loads(rec.read_text())
         except (OSError, ValueError):
@@ -908,13 +908,21 @@ class PodWorker(threading.Thread):
         self.logdir = node.logs_dir / self.ns / self.pod_name
         self.ip = node.pod_ip(pod)
         self.job = job_fields(pod)
+        self.inits = [Container(c, self.dir / "init" / c["name"]) for c in pod["spec"].get("initContainers") or []]
         self.containers = [Container(c, self.dir / "containers" / c["name"]) for c in pod["spec"]["containers"]]
+        for c in self.containers if self.inits else []:
+            c.state = {"waiting": {"reason": "PodInitializing"}}
+        self.init_failed = False
         self.prepared = False
         self.mounts: dict[str, Path] = {}
         self.failure: tuple[str, str] | None = None  # pod-level (reason, message) of a pod it cannot run
         self.started_at: str | None = None
         self.conditions: dict[str, dict] = {}
         self.last_status: dict | None = None
+
+    @property
+    def all_containers(self) -> list[Container]:
+        return self.inits + self.containers
 
     def f(self, **kw) -> dict:
         return {"pod": f"{self.ns}/{self.pod_name}", **self.job, **kw}
@@ -947,10 +955,10 @@ class PodWorker(threading.Thread):
         pod = self.pod
         phase = pod["status"].get("phase")
         self.terminal = phase in ("Succeeded", "Failed")
-        adopted = any(c.load() for c in self.containers)
+        adopted = any([c.load() for c in self.all_containers])
         if self.terminal:
             self.prepared = True
-            for c in self.containers:
+            for c in self.all_containers:
                 c.done = True
         else:
             self.check_runnable()
@@ -971,7 +979,7 @@ class PodWorker(threading.Thread):
 
     def check_runnable(self) -> None:
         spec = self.pod["spec"]
-        bad = [c for c in self.containers if runnable_repo(c.spec.get("image", "")) is None]
+        bad = [c for c in self.all_containers if runnable_repo(c.spec.get("image", "")) is None]
         if bad:
             img = bad[0].spec.get("image", "")
             msg = (f"image {img!r} cannot run on the tfps local node: it runs only the project's images "
@@ -979,13 +987,13 @@ class PodWorker(threading.Thread):
             for c in bad:
                 c.state = {"waiting": {"reason": "ErrImagePull", "message": msg}}
             self.fail("ErrImagePull", msg)
-        elif spec.get("initContainers"):
-            self.fail("UnsupportedPodSpec", "the tfps local node does not run initContainers")
+        elif any(c.spec.get("restartPolicy") == "Always" for c in self.inits):
+            self.fail("UnsupportedPodSpec", "the tfps local node does not run sidecar init containers")
 
     def fail(self, reason: str, msg: str) -> None:
         self.failure = (reason, msg)
         self.terminal = True
-        for c in self.containers:
+        for c in self.all_containers:
             c.done = True
         ev(logging.WARNING, "pod cannot run", reason=reason, message=msg, **self.f())
 
@@ -993,7 +1001,7 @@ class PodWorker(threading.Thread):
         # prepare() runs again (it keeps emptyDir contents and rewrites the other volumes in place)
         # so a container that restarts later finds its volumes.
         self.prepared = False
-        for c in self.containers:
+        for c in self.all_containers:
             if "running" in c.state and alive(c.pid, c.start):
                 ev(logging.INFO, "adopted running container", container=c.name, pid=c.pid, **self.f())
                 try:
@@ -1006,12 +1014,15 @@ class PodWorker(threading.Thread):
                 c.popen = None  # ended while no node watched: its exit code is in the run folder
             elif "terminated" in c.state:
                 c.done = True
+                self.init_failed |= c in self.inits and c.state["terminated"]["exitCode"] != 0
             elif c.restarting:
                 c.next_start = time.monotonic()
         self.started_at = self.pod["status"].get("startTime")
 
-    def should_restart(self, code: int) -> bool:
+    def should_restart(self, c: Container, code: int) -> bool:
         policy = self.pod["spec"].get("restartPolicy", "Always")
+        if c in self.inits:  # an init container runs until it succeeds, unless the policy is Never
+            return policy != "Never" and code != 0
         return policy == "Always" or (policy == "OnFailure" and code != 0)
 
     def step(self) -> None:
@@ -1028,7 +1039,7 @@ class PodWorker(threading.Thread):
             else:
                 self.prepared = True
         now = time.monotonic()
-        for c in self.containers:
+        for c in self.all_containers:
             if c.running() and c.kill_reason:
                 ev(logging.INFO, "killing container, it will be restarted per restartPolicy", reason=c.kill_reason,
                    container=c.name, **self.f())
@@ -1038,6 +1049,12 @@ class PodWorker(threading.Thread):
                 code = c.poll_exit()
                 if code is not None:
                     self.exited(c, code)
+        if self.init_failed:
+            for c in self.containers:
+                c.done = True
+        # Init containers one after another, then all the others together.
+        pending = next((c for c in self.inits if not c.done), None)
+        for c in [pending] if pending else self.containers:
             if self.prepared and not c.running() and not c.done and now >= c.next_start:
                 try:
                     self.start_container(c)
@@ -1070,7 +1087,7 @@ class PodWorker(threading.Thread):
         if code > 128:
             term["signal"] = code - 128
         ev(logging.INFO, "container exited", container=c.name, exit_code=code, **self.f())
-        if self.should_restart(code) and not self.pod["metadata"].get("deletionTimestamp"):
+        if self.should_restart(c, code) and not self.pod["metadata"].get("deletionTimestamp"):
             backoff = min(CRASH_BACKOFF_MAX, 2.0 ** min(c.restart_count, 5))
             c.last_state = {"terminated": term}
             c.state = {"waiting": {"reason": "CrashLoopBackOff" if code else "Completed",
@@ -1080,6 +1097,7 @@ class PodWorker(threading.Thread):
         else:
             c.state = {"terminated": term}
             c.done = True
+            self.init_failed |= c in self.inits and code != 0
         c.record()
 
     # -- preparing and starting ----------------------------------------------------------------
@@ -1157,7 +1175,8 @@ class PodWorker(threading.Thread):
             if "fieldRef" in it:
                 files[it["path"]] = field_ref(self.pod, self.ip, it["fieldRef"]["fieldPath"]).encode()
             elif "resourceFieldRef" in it:
-                c = next(c.spec for c in self.containers if c.name == it["resourceFieldRef"].get("containerName"))
+                c = next(c.spec for c in self.all_containers
+                         if c.name == it["resourceFieldRef"].get("containerName"))
                 files[it["path"]] = resource_ref(c, it["resourceFieldRef"], self.node.alloc).encode()
         return files
 
@@ -1221,7 +1240,7 @@ class PodWorker(threading.Thread):
     def terminate(self) -> None:
         from kubernetes.client.rest import ApiException
 
-        running = [c for c in self.containers if c.running() and alive(c.pid, c.start)]
+        running = [c for c in self.all_containers if c.running() and alive(c.pid, c.start)]
         grace = self.grace_seconds()
         if running:
             ev(logging.INFO, "stopping pod", grace_seconds=grace, **self.f())
@@ -1260,8 +1279,10 @@ class PodWorker(threading.Thread):
     # -- status --------------------------------------------------------------------------------
 
     def phase(self) -> str:
-        if self.failure:
+        if self.failure or self.init_failed:
             return "Failed"
+        if any(not c.done for c in self.inits):
+            return "Pending"
         cs = self.containers
         if self.terminal and all(c.done for c in cs):
             ok = all(c.state.get("terminated", {}).get("exitCode") == 0 for c in cs)
@@ -1285,26 +1306,32 @@ class PodWorker(threading.Thread):
                 c.done for c in self.containers) and self.pod["status"].get("phase") in ("Succeeded", "Failed"):
             return self.pod["status"]  # finished before this node started: leave it as it is
         phase = self.phase()
-        statuses = []
-        for c in self.containers:
-            running = c.running()
-            s = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "", "ready": running and c.ready,
-                 "started": running and c.started_ok, "restartCount": c.restart_count, "state": c.state}
+
+        def container_status(c: Container, ready: bool) -> dict:
+            s = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "", "ready": ready,
+                 "started": c.running() and c.started_ok, "restartCount": c.restart_count, "state": c.state}
             if c.last_state:
                 s["lastState"] = c.last_state
             if c.pid and "waiting" not in c.state:
                 s["containerID"] = f"tfps://{c.pid}"
-            statuses.append(s)
+            return s
+
+        statuses = [container_status(c, c.running() and c.ready) for c in self.containers]
+        succeeded = [c.done and c.state.get("terminated", {}).get("exitCode") == 0 for c in self.inits]
+        init_statuses = [container_status(c, ok) for c, ok in zip(self.inits, succeeded)]
         ready = phase == "Running" and all(c.running() and c.ready for c in self.containers)
         not_ready_reason = None if ready else ("PodCompleted" if phase in ("Succeeded", "Failed")
                                                else "ContainersNotReady")
         conds = [self.condition("PodReadyToStartContainers", self.prepared),
-                 self.condition("Initialized", True),
+                 self.condition("Initialized", all(succeeded),
+                                None if all(succeeded) else "ContainersNotInitialized"),
                  self.condition("Ready", ready, not_ready_reason),
                  self.condition("ContainersReady", ready, not_ready_reason),
                  self.condition("PodScheduled", True)]
         st = {"phase": phase, "conditions": conds, "hostIP": HOST_IP, "hostIPs": [{"ip": HOST_IP}],
               "containerStatuses": statuses, "qosClass": self.pod["status"].get("qosClass", "BestEffort")}
+        if init_statuses:
+            st["initContainerStatuses"] = init_statuses
         if self.prepared and not self.failure:
             st["podIP"], st["podIPs"] = self.ip, [{"ip": self.ip}]
         if self.started_at or self.failure:

@@ -397,3 +397,32 @@ def test_volume_over_the_nodes_state_folder(cluster, namespace):
     log = cluster.pod_log(namespace, "covered")
     assert p.status.container_statuses[0].state.terminated.exit_code == 6, log
     assert f"hosts {p.status.pod_ip} token True hidden []" in log
+
+
+def test_init_containers_run_first_in_order(cluster, namespace):
+    def init(name, code):
+        return {"name": name, "image": "tfps/worker:test", "command": ["python", "-c", code],
+                "volumeMounts": [{"name": "shared", "mountPath": "/shared"}]}
+
+    body = pod("initialized", "print(open('/shared/order').read())", volumes=[{"name": "shared", "emptyDir": {}}],
+               container={"volumeMounts": [{"name": "shared", "mountPath": "/shared"}]},
+               initContainers=[init("one", "open('/shared/order', 'a').write('one ')"),
+                               init("two", "open('/shared/order', 'a').write('two')")])
+    core(cluster).create_namespaced_pod(namespace, body)
+    p = cluster.wait_pod(namespace, "initialized", phase_is("Succeeded", "Failed"), what="a final phase")
+    assert p.status.phase == "Succeeded", cluster.pod_log(namespace, "initialized")
+    assert [s.state.terminated.exit_code for s in p.status.init_container_statuses] == [0, 0]
+    assert "one two" in cluster.pod_log(namespace, "initialized")
+
+
+def test_failed_init_container_fails_the_pod(cluster, namespace):
+    body = pod("blocked", "print('main ran')",
+               initContainers=[{"name": "check", "image": "tfps/worker:test",
+                                "command": ["python", "-c", "raise SystemExit(9)"]}])
+    core(cluster).create_namespaced_pod(namespace, body)
+    p = cluster.wait_pod(namespace, "blocked", phase_is("Succeeded", "Failed"), what="a final phase")
+    assert p.status.phase == "Failed"
+    assert p.status.init_container_statuses[0].state.terminated.exit_code == 9
+    assert p.status.container_statuses[0].state.terminated is None
+    assert "main ran" not in cluster.pod_log(namespace, "blocked")
+    assert "Init:Error" in cluster.kubectl("get", "pod", "blocked", "-n", namespace, "--no-headers").stdout
