@@ -14,7 +14,15 @@ tfps/worker, any registry and tag) as processes of the project's virtual environ
 - env has the downward API fields and KUBERNETES_SERVICE_HOST/PORT of the loopback apiserver;
 - status is written like a kubelet (phase, conditions, containerStatuses, restartCount), the
   pod's restartPolicy is honoured, deletion sends SIGTERM, waits the grace period, SIGKILLs and
-  then removes the object; pods of other images go to Failed with reason ErrImagePull.
+  then removes the object; pods of other images go to Failed with reason ErrImagePull;
+- init containers run first, in order; readiness, liveness and startup probes (exec, httpGet,
+  tcpSocket, grpc) are aimed at the pod IP; `kubectl logs` reaches the log files through an
+  HTTPS endpoint on 127.0.0.1 (the node's kubelet port).
+
+Not done: container isolation beyond the mount and UTS namespaces (pods share the host's network
+namespace, so a connection's source address is 127.0.0.1, not the pod IP; securityContext and
+resource limits are not enforced), `kubectl exec`/`port-forward`, and Endpoints/EndpointSlices
+(the controller-manager refuses loopback addresses in them).
 
 Pod processes outlive a restart of this process and are adopted by the next one (each container
 is recorded with its pid and start time; a small shell parent records the exit code).
