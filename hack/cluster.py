@@ -548,13 +548,20 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
                          + tail(p.logfile("kube-scheduler")))
 
     if with_node:
-        if running["localnode"] and stale(p, "localnode", localnode_argv(p, info, node_args)):
+        # Without flags, a running node keeps the ones it was started with (say, more GPUs).
+        node_argv = localnode_argv(p, info, node_args)
+        if running["localnode"] and not node_args:
+            node_argv = recorded(p, "localnode", "argv") or node_argv
+        if running["localnode"] and stale(p, "localnode", node_argv):
             log.info("the local node's code or flags changed: restarting it (its pods are adopted)")
             stop(p, "localnode")
             running["localnode"] = False
         if not running["localnode"]:
-            spawn(p, "localnode", localnode_argv(p, info, node_args))
+            pid = spawn(p, "localnode", node_argv)
             started.append("localnode")
+            marker = p.root / "localnode.ready"  # written once the new node has registered
+            wait_for("the local node to register", lambda: marker.exists() and marker.read_text() == str(pid), 60,
+                     "localnode", p)
         wait_for(f"node {NODE_NAME} Ready", lambda: node_ready(p, url), 60, "localnode", p)
 
     info = {**info, "started": started, "seconds": round(time.monotonic() - t0, 1)}

@@ -873,6 +873,7 @@ class LocalNode:
             t.start()
         ev(logging.INFO, "local node running", node=self.args.node_name, state_dir=str(self.state),
            apiserver=self.api.configuration.host)
+        (self.state / "localnode.ready").write_text(str(os.getpid()))  # `hack/cluster.sh up` waits for it
         self.stopping.wait()
         # Pod processes stay: the next local node adopts them (`stop-pods` ends them).
         ev(logging.INFO, "local node stopping; pod processes keep running", node=self.args.node_name)
