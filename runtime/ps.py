@@ -206,7 +206,9 @@ class Shard:
             raise Rejected("wrong_dtype", f"{name!r}: expected float32, got {arr.dtype}")
         if tuple(arr.shape) != tuple(shape):
             raise Rejected("wrong_shape", f"{name!r}: expected shape {list(shape)}, got {list(arr.shape)}")
-        if not np.isfinite(arr).all():
+        # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a
+        # broken gradient), at a fraction of the cost of an elementwise check.
+        if arr.size and not math.isfinite(float(np.add.reduce(arr, axis=None, dtype=np.float64))):
             raise Rejected("non_finite", f"{name!r}: gradient contains NaN or Inf")
 
     # ---- the update ----

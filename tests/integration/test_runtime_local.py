@@ -1,0 +1,53 @@
+"""`tfps local` end to end: real PS and worker processes on loopback.
+
+- examples/digits.yaml reaches >= 0.95 test accuracy;
+- a PS killed with SIGKILL mid-run is restarted, restores its checkpoint, and the run ends
+  within 1 accuracy point of the undisturbed one; likewise a killed worker.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tfps.runtime.local import Fault, LocalRun
+from tfps.runtime.spec import load_manifest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
+
+
+@pytest.fixture(scope="module")
+def undisturbed():
+    out = subprocess.run(
+        [sys.executable, "-m", "tfps.cli.main", "local", str(EXAMPLE), "--json", "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_digits_example_reaches_95_percent(undisturbed):
+    assert undisturbed["succeeded"] and undisturbed["phase"] == "Succeeded"
+    assert undisturbed["steps"] == load_manifest(EXAMPLE).spec.training.steps
+    assert undisturbed["accuracy"] >= 0.95
+    assert undisturbed["examples_per_second"] > 0 and undisturbed["wall_seconds"] > 0
+    assert undisturbed["loss"] < 0.5
+
+
+@pytest.mark.parametrize("victim", ["ps-0", "worker-1"])
+def test_sigkill_mid_run_recovers(undisturbed, victim, tmp_path):
+    job = load_manifest(EXAMPLE)
+    run = LocalRun(job, workdir=tmp_path, faults=[Fault(victim, step=250)], keep_workdir=True)
+    result = run.run()
+    assert result["succeeded"], result.get("logs")
+    assert run.faults[0].fired
+    assert any(e.startswith(f"restarting {victim}") for e in result["events"]), result["events"]
+    assert result["steps"] == job.spec.training.steps
+    assert abs(result["accuracy"] - undisturbed["accuracy"]) <= 0.01
+    if victim.startswith("ps"):
+        log = (tmp_path / f"{victim}.log").read_text()
+        restored = [json.loads(line) for line in log.splitlines() if '"event": "restored"' in line]
+        assert restored and restored[0]["step"] >= 100  # checkpoints every 100 steps
