@@ -71,8 +71,11 @@ class Cluster:
             if until(pod):
                 return pod
             time.sleep(0.25)
+        node_log = self.state_dir / "logs" / "localnode.log"
+        node_tail = "\n".join(node_log.read_text(errors="replace").splitlines()[-5:]) if node_log.exists() else ""
         raise AssertionError(f"pod {namespace}/{name}: no {what} within {timeout}s; last: "
-                             f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}")
+                             f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}"
+                             f"\nlocal node ({node_log}):\n{node_tail}")
 
     def pod_log(self, namespace: str, pod: str, container: str = "tensorflow") -> str:
         """What the local node captured of a pod's container output."""
