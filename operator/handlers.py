@@ -31,7 +31,9 @@ class Runtime:
     config: OperatorConfig
     metrics: OperatorMetrics
     peering_name: str
+    peering_priority: int = 0
     peering_lifetime: int = 30
+    standalone: bool = False
     wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
 
@@ -76,7 +78,10 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         # Leader election: replicas sharing the peering object pause unless they have the
         # highest priority (main.py gives each a distinct one); a dead leader's record
         # expires after `lifetime` seconds and a standby takes over.
+        settings.peering.standalone = rt.standalone
+        settings.peering.mandatory = not rt.standalone
         settings.peering.name = rt.peering_name
+        settings.peering.priority = rt.peering_priority
         settings.peering.lifetime = rt.peering_lifetime
         settings.peering.stealth = True
         # Watches are re-established every few minutes, so a silently dropped connection

@@ -64,16 +64,14 @@ def run(args: argparse.Namespace) -> int:
     registry = kopf.OperatorRegistry()
     handlers.register(registry, handlers.Runtime(
         controller=Controller(kube, config, metrics), config=config, metrics=metrics,
-        peering_name=args.peering, peering_lifetime=args.peering_lifetime))
+        peering_name=args.peering, peering_priority=priority, peering_lifetime=args.peering_lifetime,
+        standalone=standalone))
     log.info("tfps operator %s (pid %d, priority %d) serving %s", "standalone" if standalone else f"peering {args.peering!r}",
              os.getpid(), priority, ", ".join(namespaces) or "all namespaces")
     kopf.run(
         registry=registry,
         clusterwide=not namespaces,
         namespaces=namespaces,
-        standalone=standalone,
-        peering_name=None if standalone else args.peering,
-        priority=priority,
         liveness_endpoint=f"http://{args.metrics_address}:{args.health_port}/healthz" if args.health_port else None,
     )
     return 0
