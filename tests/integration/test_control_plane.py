@@ -2,8 +2,11 @@
 and scheduling are done by the real kube-apiserver, controller-manager and scheduler."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from kubernetes import client
@@ -156,10 +159,6 @@ def test_scheduler_binds_only_pods_that_fit(cluster, namespace):
 
 
 def test_cluster_sh_up_reuses_a_healthy_cluster(cluster):
-    import json
-    import subprocess
-    from pathlib import Path
-
     cluster_sh = str(Path(__file__).resolve().parents[2] / "hack" / "cluster.sh")
     env = {**cluster.env, "TFPS_STATE": str(cluster.state_dir)}
     # as this test session, so the cluster stays the session's to stop

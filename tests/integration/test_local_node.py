@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import json
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -258,8 +260,6 @@ def test_pod_env_volumes_and_service_account(cluster, namespace):
     p = cluster.wait_pod(namespace, "inspect", phase_is("Succeeded", "Failed"), what="a final phase")
     log = cluster.pod_log(namespace, "inspect")
     assert p.status.phase == "Succeeded", log
-    import json
-
     out = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
     assert out["version"].startswith("v1.")
     assert out["sa_namespace"] == namespace
