@@ -102,6 +102,7 @@ class Shard:
         self._ckpt_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._warm: tuple[float, int] | None = None  # (time, examples) once past warm-up
         self._last_rate = 0.0
+        self._shared_reply: tuple[int, bytes] = (-1, b"")
         self.vars: dict[str, tf.Variable] = {}
         self.slots: dict[str, dict[str, tf.Variable]] = {}
         for part in parts:
@@ -208,7 +209,7 @@ class Shard:
             raise Rejected("wrong_shape", f"{name!r}: expected shape {list(shape)}, got {list(arr.shape)}")
         # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a
         # broken gradient), at a fraction of the cost of an elementwise check.
-        if arr.size and not math.isfinite(float(np.add.reduce(arr, axis=None, dtype=np.float64))):
+        if arr.size and not math.isfinite(float(arr.sum())):
             raise Rejected("non_finite", f"{name!r}: gradient contains NaN or Inf")
 
     # ---- the update ----
@@ -326,10 +327,16 @@ class Shard:
                     if self.mode is ConsistencyMode.SYNC:
                         self._maybe_close()
             self.metrics.workers_live.set(len(self.live_workers()))
+            # In sync mode every worker gets the same reply for a version: encode it once.
+            shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
+            if shared and self._shared_reply[0] == self.version:
+                out = self._shared_reply[1]
+                self.metrics.bytes_out.inc(len(out))
+                return out
             meta = {
                 "version": self.version,
                 "done": self.done,
-                "clock": self.clocks[req.worker],
+                "clock": 0 if shared else self.clocks[req.worker],
                 "incarnation": self.incarnation,
                 "stale": stale,
                 "pending": pending,
@@ -344,6 +351,8 @@ class Shard:
         # Serialise outside the lock: the tensors read above are snapshots (TF copies a
         # variable's buffer on the next update while a reader still holds it).
         out = wire.encode(meta, {k: np.asarray(v) for k, v in tensors.items()})
+        if shared:
+            self._shared_reply = (meta["version"], out)
         self.metrics.bytes_out.inc(len(out))
         return out
 
