@@ -85,7 +85,8 @@ def measure(args: argparse.Namespace) -> dict:
         strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
-            params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, mlp.initial_values(model, args.seed))]
+            initial = mlp.initial_values(model, args.seed)
+            params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, initial)]
         # the variables as stored: a partitioned one (ShardedVariable) is several, one per PS
         shards = [v for p in params for v in getattr(p, "variables", [p])]
         lr = tf.constant(args.learning_rate, tf.float32)

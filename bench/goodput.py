@@ -164,7 +164,9 @@ def measure(args: argparse.Namespace) -> dict:
         for _ in range(args.repeats):
             raw = raw_tcp_mib_per_second(args.raw_mib)
             ours = tfps_mib_per_second(address, model_args, args.seconds)
-            pairs.append({"raw_tcp": raw, "tfps": ours["mib_per_second"], "tfps_calls": ours["calls"], "model_mib": ours["model_mib"]})
+            pairs.append(
+                {"raw_tcp": raw, "tfps": ours["mib_per_second"], "tfps_calls": ours["calls"], "model_mib": ours["model_mib"]}
+            )
     finally:
         kill_group(proc)
     return {"system": "goodput", "pairs": pairs, "model_args": model_args, "raw_mib": args.raw_mib}

@@ -69,7 +69,9 @@ def measure_anchor(module: str, shape: Shape, cfg: dict, extra: list[str] = ()) 
     return run_json(cmd, timeout, f"{module.rsplit('.', 1)[-1]} ({shape.name})")
 
 
-def measure_shape_once(shape: Shape, cfg: dict, hints: dict[str, float], progress: Callable[[str], None]) -> tuple[dict, list[str]]:
+def measure_shape_once(
+    shape: Shape, cfg: dict, hints: dict[str, float], progress: Callable[[str], None]
+) -> tuple[dict, list[str]]:
     """One repeat of one shape: every system back to back. Returns examples/s and errors."""
     row: dict[str, float | None] = {}
     errors: list[str] = []

@@ -63,7 +63,8 @@ def verdict(value: float | None, goal: float | None) -> dict[str, Any]:
     if value >= goal:
         return {"goal": goal, "met": True, "missed_by_pct": 0.0, "text": f"met (goal ≥ {goal:g}×)"}
     missed = (goal - value) / goal * 100.0
-    return {"goal": goal, "met": False, "missed_by_pct": round(missed, 1), "text": f"missed by {missed:.0f}% (goal ≥ {goal:g}×)"}
+    text = f"missed by {missed:.0f}% (goal ≥ {goal:g}×)"
+    return {"goal": goal, "met": False, "missed_by_pct": round(missed, 1), "text": text}
 
 
 def summarize_shape(shape: str, repeats: list[dict[str, float | None]]) -> dict[str, Any]:

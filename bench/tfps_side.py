@@ -62,7 +62,8 @@ def measure(shape: Shape, mode: str, examples: float, expected_rate: float, lear
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="tfps-bench-") as fh:
         yaml.safe_dump(manifest(shape, mode, steps, learning_rate, seed), fh)
         fh.flush()
-        result = run_json(module_cmd("tfps.cli.main", "local", fh.name, "--json", "--no-progress"), timeout, f"tfps local ({shape.name}, {mode})")
+        cmd = module_cmd("tfps.cli.main", "local", fh.name, "--json", "--no-progress")
+        result = run_json(cmd, timeout, f"tfps local ({shape.name}, {mode})")
     rate = result.get("examples_per_second")
     if not isinstance(rate, (int, float)) or rate <= 0:
         raise MeasurementError(f"tfps local ({shape.name}, {mode}): no examples_per_second in {result}")
