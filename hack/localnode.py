@@ -801,9 +801,12 @@ class LocalNode:
             for p in self.pods.values():
                 if p["metadata"]["namespace"] != ns:
                     continue
-                path = self.run_dir / p["metadata"]["uid"] / "hosts"
-                if path.parent.exists():
-                    write_in_place(path, hosts_file(p, self.pod_ip(p), peers, services))
+                path = self.run_dir / p["metadata"]["uid"] / "hosts"  # made by the pod's prepare()
+                if path.exists():
+                    try:
+                        write_in_place(path, hosts_file(p, self.pod_ip(p), peers, services))
+                    except FileNotFoundError:
+                        pass  # the pod was removed meanwhile
 
     # -- secrets and config maps -------------------------------------------------------------
 
