@@ -408,6 +408,9 @@ def signal_group(pid: int, start: int | None, sig: int) -> None:
 # A pod may mount a volume over the folder that holds its own files (an emptyDir at /tmp while
 # the state folder is under /tmp): so the exit file and default working folder are opened first,
 # and the pod's folder is reached through a bind mount at /run/tfps-pod made before any other.
+TERMINATION_LOG = "/dev/termination-log"
+TERMINATION_MESSAGE_BYTES = 4096
+
 LAUNCHER = r'''
 set -e
 exitfile=$1; workdir=$2; podhost=$3; poddir=$4; shift 4
@@ -1098,6 +1101,9 @@ class PodWorker(threading.Thread):
                 "containerID": f"tfps://{c.pid}"}
         if code > 128:
             term["signal"] = code - 128
+        message = self.termination_message(c, code)
+        if message:
+            term["message"] = message
         ev(logging.INFO, "container exited", container=c.name, exit_code=code, **self.f())
         if self.should_restart(c, code) and not self.pod["metadata"].get("deletionTimestamp"):
             backoff = min(CRASH_BACKOFF_MAX, 2.0 ** min(c.restart_count, 5))
@@ -1111,6 +1117,18 @@ class PodWorker(threading.Thread):
             c.done = True
             self.init_failed |= c in self.inits and code != 0
         c.record()
+
+    def termination_message(self, c: Container, code: int) -> str:
+        """The container's terminationMessagePath file, or with FallbackToLogsOnError and a failure,
+        the tail of its log (the kubelet's limits: 4096 bytes, 80 lines)."""
+        path = c.rundir / "termination-log"
+        text = path.read_bytes()[-TERMINATION_MESSAGE_BYTES:].decode(errors="replace") if path.exists() else ""
+        if not text.strip() and code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            log_file = self.logdir / f"{c.name}.log"
+            if log_file.exists():
+                lines = log_file.read_bytes()[-TERMINATION_MESSAGE_BYTES:].decode(errors="replace").splitlines()
+                text = "\n".join(lines[-80:])
+        return text.strip()
 
     # -- preparing and starting ----------------------------------------------------------------
 
@@ -1215,6 +1233,9 @@ class PodWorker(threading.Thread):
                 if not src.exists():
                     src.mkdir(parents=True)
             args += [str(src), m["mountPath"], "ro" if m.get("readOnly") else "rw"]
+        # Like a kubelet: the container may leave a short message at terminationMessagePath, which
+        # ends up in its terminated state (the runtime reports its final result there).
+        args += [str(c.rundir / "termination-log"), c.spec.get("terminationMessagePath", TERMINATION_LOG), "rw"]
         return args
 
     def start_container(self, c: Container) -> None:
@@ -1227,6 +1248,7 @@ class PodWorker(threading.Thread):
             c.restarting = False
         c.rundir.mkdir(parents=True, exist_ok=True)
         (c.rundir / "exit").unlink(missing_ok=True)
+        (c.rundir / "termination-log").write_bytes(b"")
         cmd = ["unshare", "--mount", "--uts", "--propagation", "private", "/bin/sh", "-c", LAUNCHER, "launcher",
                str(c.rundir / "exit"), workdir, pod_hostname(self.pod)[:63], str(self.dir), *self.mount_args(c),
                "--", *argv]

@@ -73,6 +73,24 @@ def test_pod_exit_3_fails_with_exit_code_3(cluster, namespace):
     assert cs.restart_count == 0
 
 
+def test_termination_message_reaches_the_status(cluster, namespace):
+    """What a container writes to /dev/termination-log (or its custom terminationMessagePath) is
+    its terminated state's message, as with a kubelet; FallbackToLogsOnError uses the log tail."""
+    api = core(cluster)
+    api.create_namespaced_pod(namespace, pod("msg", "open('/dev/termination-log', 'w').write('{\"accuracy\": 0.97}')"))
+    api.create_namespaced_pod(namespace, pod("custom", "open('/tmp/tfps-done', 'w').write('custom path')",
+                                             container={"terminationMessagePath": "/tmp/tfps-done"}))
+    api.create_namespaced_pod(namespace, pod("fallback", "import sys; print('the last words'); sys.exit(2)",
+                                             container={"terminationMessagePolicy": "FallbackToLogsOnError"}))
+    done = phase_is("Succeeded", "Failed")
+    msg = cluster.wait_pod(namespace, "msg", done, what="a final phase").status.container_statuses[0]
+    assert msg.state.terminated.message == '{"accuracy": 0.97}'
+    custom = cluster.wait_pod(namespace, "custom", done, what="a final phase").status.container_statuses[0]
+    assert custom.state.terminated.message == "custom path"
+    fallback = cluster.wait_pod(namespace, "fallback", done, what="a final phase").status.container_statuses[0]
+    assert fallback.state.terminated.exit_code == 2 and "the last words" in fallback.state.terminated.message
+
+
 def test_default_entrypoint_is_tfps(cluster, namespace):
     """The images' ENTRYPOINT is `tfps`: a container with only args runs `tfps ARGS`."""
     body = pod("entry", "")
