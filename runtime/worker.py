@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from .sharding import Plan, place, route_rows
 from .spec import ConsistencyMode, TrainingSpec
 
 log = logging.getLogger("tfps.worker")
+
+ENV_PIPELINE = "TFPS_PIPELINE"  # "0": async workers wait for each push before computing on
 
 
 def use_gpu_memory_growth() -> list:
@@ -106,6 +109,7 @@ class Worker:
         index: int,
         metrics: WorkerMetrics,
         retry_seconds: float = 300.0,
+        pipeline: bool | None = None,
     ):
         self.model, self.training, self.index = model, training, index
         self.num_workers, self.metrics = num_workers, metrics
@@ -130,6 +134,9 @@ class Worker:
         self.clock = 0
         self.last_loss = math.nan
         self.steps_done = 0
+        if pipeline is None:
+            pipeline = os.environ.get(ENV_PIPELINE, "1") != "0"
+        self.pipeline = pipeline and self.mode is not ConsistencyMode.SYNC and not self.sparse
 
     # ---- calls to all shards in parallel ----
     def _map(self, fn, items):
@@ -206,9 +213,8 @@ class Worker:
         self.metrics.pull_seconds.observe(time.perf_counter() - t0)
         return [replies.get(k) for k in range(len(self.clients))]
 
-    def train_step(self) -> None:
-        t_step = time.perf_counter()
-        step = self._data_step()
+    def _compute(self, step: int):
+        """Gradients of data step `step` on the current parameters."""
         x, y = self.batches(step)
         routes: dict = {}
         if self.sparse:
@@ -221,32 +227,66 @@ class Worker:
         loss = float(loss)
         grads = {k: np.asarray(v) for k, v in grads.items()}  # no copy: the tensors are ours
         self.metrics.compute_seconds.observe(time.perf_counter() - t0)
+        return loss, grads, routes, len(y)
 
-        # The rows of the next batch ride along with this push.
-        next_requests, next_routes = [dict() for _ in self.clients], {}
-        if self.sparse:
-            _, next_requests, next_routes = self._sparse_plan(self.batches(step + 1)[0])
-        tags = list(self.versions)
-        shard_tensors = self._split_grads(grads, routes)
+    def _exchange(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict]) -> list[_Reply]:
+        """Push to every shard in parallel; each reply carries the next parameters."""
         t0 = time.perf_counter()
-        meta = {"pull": True, "batch": len(y), "loss": loss}
         replies = self._map(
-            lambda k: self._call(k, {**meta, "tag": tags[k]}, {**shard_tensors[k], **next_requests[k]}),
+            lambda k: self._call(k, {**meta, "tag": tags[k]}, {**shard_tensors[k], **row_requests[k]}),
             [(k,) for k in range(len(self.clients))],
         )
-        replies = self._absorb(replies, tags, next_requests)
+        replies = self._absorb(replies, tags, row_requests)
         self.metrics.push_seconds.observe(time.perf_counter() - t0)
-        self._update_state(replies)
-        if self.sparse:
-            self.rows = self._rows_from(replies, next_routes)
-            self._rows_step = step + 1 if self._data_step() == step + 1 else None
+        return replies
+
+    def _count(self, loss: float, batch: int, t_step: float) -> None:
         self.last_loss = loss
         self.steps_done += 1
         m = self.metrics
         m.loss.set(loss)
         m.steps.inc()
-        m.examples.inc(len(y))
+        m.examples.inc(batch)
         m.step_seconds.observe(time.perf_counter() - t_step)
+
+    def train_step(self) -> None:
+        t_step = time.perf_counter()
+        step = self._data_step()
+        loss, grads, routes, batch = self._compute(step)
+        # The rows of the next batch ride along with this push.
+        next_requests, next_routes = [dict() for _ in self.clients], {}
+        if self.sparse:
+            _, next_requests, next_routes = self._sparse_plan(self.batches(step + 1)[0])
+        replies = self._exchange(list(self.versions), self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, next_requests)
+        self._update_state(replies)
+        if self.sparse:
+            self.rows = self._rows_from(replies, next_routes)
+            self._rows_step = step + 1 if self._data_step() == step + 1 else None
+        self._count(loss, batch, t_step)
+
+    def _run_pipelined(self) -> None:
+        """Async, dense models: push step k's gradients while computing step k+1's on the
+        parameters at hand (one step more staleness, communication hidden behind compute)."""
+        comm = futures.ThreadPoolExecutor(1, thread_name_prefix="exchange")
+        inflight = None
+        step = self.clock
+        no_rows = [dict() for _ in self.clients]
+        try:
+            while not self.done:
+                t_step = time.perf_counter()
+                tags = list(self.versions)
+                loss, grads, routes, batch = self._compute(step)
+                if inflight is not None:
+                    self._update_state(inflight.result())
+                    if self.done:
+                        break
+                inflight = comm.submit(self._exchange, tags, self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, no_rows)
+                step += 1
+                self._count(loss, batch, t_step)
+            if inflight is not None and not self.done:
+                self._update_state(inflight.result())
+        finally:
+            comm.shutdown(wait=True)
 
     def _split_grads(self, grads: dict[str, np.ndarray], routes: dict) -> list[dict]:
         out = [dict() for _ in self.clients]
@@ -265,6 +305,8 @@ class Worker:
         """Train until the PS reports the job's step count reached."""
         self.pull()
         log.info(json.dumps({"event": "joined", "worker": self.index, "step": self.versions[0], "mode": self.mode.value}))
+        if self.pipeline:
+            self._run_pipelined()
         while not self.done:
             self.train_step()
 

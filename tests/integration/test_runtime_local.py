@@ -7,6 +7,7 @@
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -37,16 +38,32 @@ def test_digits_example_reaches_95_percent(undisturbed):
     assert undisturbed["loss"] < 0.5
 
 
+def _scrape(run, rtype, index) -> str:
+    port = run.replicas[(rtype, index)].metrics_port
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
 @pytest.mark.parametrize("victim", ["ps-0", "worker-1"])
 def test_sigkill_mid_run_recovers(undisturbed, victim, tmp_path):
     job = load_manifest(EXAMPLE)
-    run = LocalRun(job, workdir=tmp_path, faults=[Fault(victim, step=250)], keep_workdir=True)
+    scraped = {}
+
+    def scrape_once(run, status):
+        if not scraped and status.get("global_step", 0) >= 50:
+            scraped["ps"], scraped["worker"] = _scrape(run, "ps", 0), _scrape(run, "worker", 0)
+
+    run = LocalRun(job, workdir=tmp_path, faults=[Fault(victim, step=250)], keep_workdir=True, on_status=scrape_once)
     result = run.run()
     assert result["succeeded"], result.get("logs")
     assert run.faults[0].fired
     assert any(e.startswith(f"restarting {victim}") for e in result["events"]), result["events"]
     assert result["steps"] == job.spec.training.steps
     assert abs(result["accuracy"] - undisturbed["accuracy"]) <= 0.01
+    # every pod serves its metrics with the job's labels; the operator reads PS 0's progress
+    for name in ("tfps_ps_global_step", "tfps_ps_loss", "tfps_ps_examples_total", "tfps_ps_received_bytes_total"):
+        assert f'{name}{{job="digits",namespace="default",replica_index="0",replica_type="ps"}}' in scraped["ps"]
+    assert 'tfps_worker_steps_total{job="digits"' in scraped["worker"]
     if victim.startswith("ps"):
         log = (tmp_path / f"{victim}.log").read_text()
         restored = [json.loads(line) for line in log.splitlines() if '"event": "restored"' in line]
