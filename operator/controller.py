@@ -44,9 +44,11 @@ class Controller:
         result = plan(body, pods, datetime.now(timezone.utc))
         ctx = f"{namespace}/{name}"
 
+        if result.create:  # first: the time to all pods created is what users wait for
+            self._create(body, result)
         old = {k: v for k, v in (body.get("status") or {}).items() if k != "progress"}
         patch = merge_patch(old, result.status)
-        if patch:
+        if patch:  # before the deletions, so a restart is counted even if we die right after
             self.kube.patch_job_status(namespace, name, patch)
         for pod_name in result.restart:
             # Its containers have exited: no grace period to wait for.
@@ -54,12 +56,11 @@ class Controller:
                 self.metrics.pods_restarted.inc()
                 self.metrics.pods_deleted.inc()
                 log.info("%s: restarting pod %s", ctx, pod_name)
-        for pod_name in result.delete:
-            if self.kube.delete_pod(namespace, pod_name):
-                self.metrics.pods_deleted.inc()
-                log.info("%s: deleted pod %s", ctx, pod_name)
-        if result.create:
-            self._create(body, result)
+        deleted = [n for n, ok in zip(result.delete, self._fanout.map(
+            lambda n: self.kube.delete_pod(namespace, n), result.delete)) if ok]
+        self.metrics.pods_deleted.inc(len(deleted))
+        if deleted:
+            log.info("%s: deleted pods %s", ctx, ", ".join(deleted))
         if result.delete_job:
             self.kube.delete_job(namespace, name)
             log.info("%s: deleted after ttlSecondsAfterFinished", ctx)
@@ -68,9 +69,9 @@ class Controller:
 
     def _create(self, body: dict, result: Plan) -> None:
         job = TrainingJob.model_validate(body)
-        self.kube.create(builders.build_service(job, self.config))
         pods = [builders.build_pod(job, rtype, index, self.config) for rtype, index in result.create]
-        created = sum(self._fanout.map(self.kube.create, pods))
+        service = builders.build_service(job, self.config)
+        created = sum(list(self._fanout.map(self.kube.create, [service, *pods]))[1:])
         self.metrics.pods_created.inc(created)
         if created:
             log.info("%s/%s: created %d pods", job.namespace, job.name, created)
@@ -88,5 +89,5 @@ class Controller:
         return progress.to_status(sample, previous, timestamp(datetime.now(timezone.utc))), sample
 
     def delete_children(self, namespace: str, name: str, uid: str) -> None:
-        deleted = self.kube.delete_children(namespace, name, uid)
+        deleted = self.kube.delete_children(namespace, name, uid, self._fanout.map)
         self.metrics.pods_deleted.inc(deleted)

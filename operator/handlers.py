@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,9 @@ from .controller import Controller
 from .metrics import OperatorMetrics
 
 RETRY_SECONDS = 2.0  # after an API error, before the next attempt
+# Pod events come in bursts (10 pods created, then scheduled, then started): one pass
+# shortly after the first event sees them all instead of one pass per event.
+COALESCE_SECONDS = 0.1
 
 
 @dataclass
@@ -28,6 +32,7 @@ class Runtime:
     """What the handlers share: the controller and a wake-up flag per job."""
 
     controller: Controller
+    executor: ThreadPoolExecutor
     config: OperatorConfig
     metrics: OperatorMetrics
     peering_name: str
@@ -36,6 +41,7 @@ class Runtime:
     standalone: bool = False
     wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
+    pod_state: dict[str, tuple[str, bool, int]] = field(default_factory=dict)  # by pod uid
 
     def wake_job(self, namespace: str, name: str) -> None:
         event = self.wake.get((namespace, name))
@@ -48,17 +54,24 @@ def _post_events(body: dict, events: list[tuple[str, str, str]]) -> None:
         kopf.event(body, type=kind, reason=reason, message=message[:1024])
 
 
-async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> None:
-    """Until the job is woken, the daemon is stopped, or `delay` seconds pass."""
+async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> bool:
+    """Until the job is woken (True), the daemon is stopped, or `delay` seconds pass."""
     async def until_stopped() -> None:
         await stopped.wait()
 
     waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(until_stopped())]
     try:
         await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        return wake.is_set() and not stopped
     finally:
         for waiter in waiters:
             waiter.cancel()
+
+
+def _pod_state(pod: kopf.Body) -> tuple[str, bool, int]:
+    status = pod.get("status") or {}
+    restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
+    return status.get("phase") or "Pending", bool(pod.get("metadata", {}).get("deletionTimestamp")), restarts
 
 
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
@@ -101,17 +114,18 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
 
     # On deletion or pause the loop is told to stop and gets cancellation_backoff seconds to
     # finish its pass before it is cancelled.
-    @kopf.daemon(**resource, cancellation_backoff=3.0, cancellation_timeout=5.0)
+    @kopf.daemon(**resource, cancellation_backoff=1.0, cancellation_timeout=5.0)
     async def job_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
         """Reconcile the job whenever something changes, and at least every resyncSeconds."""
         key = (namespace, name)
         wake = rt.wake.setdefault(key, asyncio.Event())
+        loop = asyncio.get_running_loop()
         try:
             while not stopped:
                 wake.clear()
                 delay = rt.config.resync_seconds
                 try:
-                    outcome = await asyncio.to_thread(rt.controller.reconcile, namespace, name)
+                    outcome = await loop.run_in_executor(rt.executor, rt.controller.reconcile, namespace, name)
                 except Exception as err:  # API unavailable, conflict...: retried, never fatal
                     rt.metrics.reconcile_errors.inc()
                     logger.warning("reconcile failed, retrying in %.0fs: %s", RETRY_SECONDS, err)
@@ -124,7 +138,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
                     _post_events(outcome.body, outcome.plan.events)
                     if outcome.plan.requeue_after is not None:
                         delay = min(delay, outcome.plan.requeue_after + 0.05)
-                await _sleep(wake, stopped, delay)
+                if await _sleep(wake, stopped, delay):
+                    await _sleep(asyncio.Event(), stopped, COALESCE_SECONDS)
         finally:
             if rt.wake.get(key) is wake:
                 del rt.wake[key]
@@ -137,7 +152,17 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
 
     @kopf.on.event("", "v1", "pods", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY, naming.LABEL_JOB: kopf.PRESENT},
                    registry=registry)
-    def pod_event(namespace: str, labels: kopf.Labels, **_: Any) -> None:
+    def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
+        # Only changes a decision can depend on wake the job (not the scheduler's conditions,
+        # not the ADDED of a pending pod the job's own pass just created).
+        if type == "DELETED":
+            rt.pod_state.pop(uid, None)
+        else:
+            state = _pod_state(body)
+            before = rt.pod_state.get(uid)
+            rt.pod_state[uid] = state
+            if state == before or (before is None and state == ("Pending", False, 0)):
+                return
         rt.wake_job(namespace, labels[naming.LABEL_JOB])
 
     @kopf.timer(**resource, interval=rt.config.progress_seconds, initial_delay=rt.config.progress_seconds)
@@ -145,8 +170,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
                             patch: kopf.Patch, **_: Any) -> None:
         if status.get("phase") not in ("Running", "Restarting"):
             return
-        new, memo.sample = await asyncio.to_thread(
-            rt.controller.read_progress, namespace, name, getattr(memo, "sample", None))
+        new, memo.sample = await asyncio.get_running_loop().run_in_executor(
+            rt.executor, rt.controller.read_progress, namespace, name, getattr(memo, "sample", None))
         if new:
             patch.status["progress"] = new
 
@@ -155,4 +180,4 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         # Owner references would do it too, but the garbage collector may take a while.
         rt.metrics.job_phase((namespace, name), None)
         rt.seen_generation.pop((namespace, name), None)
-        await asyncio.to_thread(rt.controller.delete_children, namespace, name, uid)
+        await asyncio.get_running_loop().run_in_executor(rt.executor, rt.controller.delete_children, namespace, name, uid)

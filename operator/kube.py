@@ -30,6 +30,10 @@ def api_client(pool_size: int = 16) -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+# No call may hang a job's loop: an overloaded API server gets this long, then the pass is retried.
+TIMEOUT = (5, 30)  # seconds: connect, read
+
+
 def _json(resp) -> Any:
     return json.loads(resp.data)
 
@@ -42,7 +46,7 @@ class Kube:
     def get_job(self, namespace: str, name: str) -> dict | None:
         try:
             return _json(self.custom.get_namespaced_custom_object(
-                API_GROUP, API_VERSION, namespace, PLURAL, name, _preload_content=False))
+                API_GROUP, API_VERSION, namespace, PLURAL, name, _preload_content=False, _request_timeout=TIMEOUT))
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -51,19 +55,19 @@ class Kube:
     def patch_job_status(self, namespace: str, name: str, patch: dict) -> None:
         self.custom.patch_namespaced_custom_object_status(
             API_GROUP, API_VERSION, namespace, PLURAL, name, {"status": patch},
-            _content_type="application/merge-patch+json")
+            _content_type="application/merge-patch+json", _request_timeout=TIMEOUT)
 
     def delete_job(self, namespace: str, name: str) -> None:
         try:
             self.custom.delete_namespaced_custom_object(
-                API_GROUP, API_VERSION, namespace, PLURAL, name, propagation_policy="Foreground")
+                API_GROUP, API_VERSION, namespace, PLURAL, name, propagation_policy="Foreground", _request_timeout=TIMEOUT)
         except ApiException as err:
             if err.status != 404:
                 raise
 
     def list_pods(self, namespace: str, job: str) -> list[dict]:
         resp = self.core.list_namespaced_pod(
-            namespace, label_selector=naming.label_selector(naming.job_selector(job)), _preload_content=False)
+            namespace, label_selector=naming.label_selector(naming.job_selector(job)), _preload_content=False, _request_timeout=TIMEOUT)
         return _json(resp)["items"]
 
     def create(self, body: dict) -> bool:
@@ -71,9 +75,9 @@ class Kube:
         namespace = body["metadata"]["namespace"]
         try:
             if body["kind"] == "Pod":
-                self.core.create_namespaced_pod(namespace, body, _preload_content=False)
+                self.core.create_namespaced_pod(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
             else:
-                self.core.create_namespaced_service(namespace, body, _preload_content=False)
+                self.core.create_namespaced_service(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
             return True
         except ApiException as err:
             if err.status == 409:
@@ -82,24 +86,22 @@ class Kube:
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         try:
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds, _preload_content=False)
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds, _preload_content=False, _request_timeout=TIMEOUT)
             return True
         except ApiException as err:
             if err.status == 404:
                 return False
             raise
 
-    def delete_children(self, namespace: str, job: str, job_uid: str) -> int:
+    def delete_children(self, namespace: str, job: str, job_uid: str, map_=map) -> int:
         """Delete the pods and the Service of a job being deleted (only those it owns)."""
-        deleted = 0
-        for pod in self.list_pods(namespace, job):
-            owners = pod["metadata"].get("ownerReferences") or []
-            if any(o.get("uid") == job_uid for o in owners):
-                deleted += self.delete_pod(namespace, pod["metadata"]["name"])
+        names = [pod["metadata"]["name"] for pod in self.list_pods(namespace, job)
+                 if any(o.get("uid") == job_uid for o in pod["metadata"].get("ownerReferences") or [])]
+        deleted = sum(map_(lambda n: self.delete_pod(namespace, n), names))
         try:
-            svc = self.core.read_namespaced_service(naming.service_name(job), namespace)
+            svc = self.core.read_namespaced_service(naming.service_name(job), namespace, _request_timeout=TIMEOUT)
             if any(o.uid == job_uid for o in (svc.metadata.owner_references or [])):
-                self.core.delete_namespaced_service(svc.metadata.name, namespace)
+                self.core.delete_namespaced_service(svc.metadata.name, namespace, _request_timeout=TIMEOUT)
         except ApiException as err:
             if err.status != 404:
                 raise

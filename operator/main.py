@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 from .config import OperatorConfig
 
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     registry = kopf.OperatorRegistry()
     handlers.register(registry, handlers.Runtime(
         controller=Controller(kube, config, metrics), config=config, metrics=metrics,
+        executor=ThreadPoolExecutor(max_workers=config.reconcile_workers, thread_name_prefix="tfps-reconcile"),
         peering_name=args.peering, peering_priority=priority, peering_lifetime=args.peering_lifetime,
         standalone=standalone))
     log.info("tfps operator %s (pid %d, priority %d) serving %s", "standalone" if standalone else f"peering {args.peering!r}",

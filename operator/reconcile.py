@@ -227,6 +227,8 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Pla
         for i in range(spec.replicas(rtype)):
             if (rtype, i) not in existing:
                 result.create.append((rtype, i))
+    for rtype, _ in result.create:  # the status describes the pods as they will be
+        status["replicaStatuses"][rtype.value]["pending"] += 1
     if result.create and condition_true(old.get("conditions") or [], CREATED):
         names = [naming.child_pod_name(job.name, t, i) for t, i in result.create]
         result.event(NORMAL, "CreatedPods", "created pods " + ", ".join(names))  # scale-up, restarts

@@ -49,6 +49,7 @@ def test_new_job_creates_every_pod_and_is_pending():
     p = _settle(body, [])
     assert p.create == [(PS, 0), (PS, 1), (WORKER, 0), (WORKER, 1), (WORKER, 2), (WORKER, 3)]
     assert p.status["phase"] == "Pending" and p.status["startTime"]
+    assert p.status["replicaStatuses"]["Worker"] == {"active": 0, "pending": 4, "succeeded": 0, "failed": 0}
     assert [c["type"] for c in p.status["conditions"]] == ["Created"]
 
 
