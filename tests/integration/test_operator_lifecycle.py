@@ -111,3 +111,19 @@ def test_progress_is_read_from_the_ps_metrics(tfps_operator):
     assert 0 < progress["loss"] < 0.1 and progress["examplesPerSecond"] > 0
     shown = op.cluster.kubectl("get", "tj", "prog", "-n", op.namespace, "--no-headers").stdout.split()
     assert shown[1] == "Running" and int(shown[4]) >= progress["step"]
+
+
+def test_rendered_objects_are_valid_for_the_api_server(crds, namespace, tmp_path):
+    """`tfps render` output passes the API server's own validation (server-side dry run)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    manifest = tmp_path / "job.yaml"
+    gpu = {"spec": {"containers": [{"name": "tensorflow", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}
+    manifest.write_text(yaml.safe_dump(job_manifest("render", ps=2, workers=2, template=gpu, chief=1)))
+    out = subprocess.run([sys.executable, "-m", "tfps.cli.main", "render", str(manifest), "-n", namespace],
+                         capture_output=True, text=True, check=True).stdout
+    proc = crds.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=out)
+    assert proc.stdout.count("(server dry run)") == 6  # the Service and 5 pods

@@ -119,3 +119,18 @@ def test_render_prints_service_then_pods(tmp_path):
     assert [d["kind"] for d in docs] == ["Service"] + ["Pod"] * 6
     assert all(d["metadata"]["namespace"] == "team" for d in docs)
     assert "ownerReferences" not in docs[1]["metadata"]
+
+
+def test_tfps_render_command(tmp_path, capsys):
+    from tfps.cli.main import main
+
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump({"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "r"},
+                                        "spec": {"replicaSpecs": {"PS": {"replicas": 1}, "Worker": {"replicas": 2}}, "training": {}}}))
+    assert main(["render", str(manifest)]) == 0
+    names = [d["metadata"]["name"] for d in yaml.safe_load_all(capsys.readouterr().out)]
+    assert names == ["r", "r-ps-0", "r-worker-0", "r-worker-1"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: tfps.io/v1alpha1\nkind: TrainingJob\nmetadata: {name: b}\nspec: {replicaSpecs: {Worker: {}}, training: {}}\n")
+    assert main(["render", str(bad)]) == 1
+    assert "replicaSpecs.PS" in capsys.readouterr().err
