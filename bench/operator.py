@@ -2,7 +2,7 @@
 control plane; time from create to all pods created and to phase Running (p50, p99),
 and the operator process's CPU seconds and peak memory.
 
-    python -m tfps.bench.operator [--jobs 20] [--workers 8] [--ps 2]
+    python -m tfps.bench.operator [--jobs 20] [--workers 8] [--ps 2] [--spacing SECONDS]
 
 Needs the control plane up (hack/cluster.sh up). The pods are never run: this process
 plays the kubelet and writes each new pod's status Running as soon as it sees the pod
@@ -74,7 +74,7 @@ def _raw_create_seconds(core, count: int) -> float:
     return seconds
 
 
-def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, timeout: float = 180.0) -> dict:
+def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float = 0.0, timeout: float = 180.0) -> dict:
     from kubernetes import client, config, watch
 
     api = config.new_client_from_config(config_file=kubeconfig)
@@ -154,6 +154,7 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, timeout: float 
             name = f"job-{i:02d}"
             created_at[name] = time.monotonic()
             custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job(name, ps, workers))
+            time.sleep(spacing)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not all(n in running_at for n in created_at):
             time.sleep(0.1)
@@ -173,7 +174,7 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, timeout: float 
     to_pods = [max(pods_seen[n]) - t for n, t in created_at.items() if len(pods_seen.get(n, [])) >= per_job]
     to_running = [running_at[n] - t for n, t in created_at.items() if n in running_at]
     return {
-        "jobs": jobs, "pods_per_job": per_job,
+        "jobs": jobs, "pods_per_job": per_job, "spacing_s": spacing,
         "jobs_all_pods_created": len(to_pods), "jobs_running": len(to_running),
         "to_all_pods_created_s": {"p50": round(_percentile(to_pods, 0.5), 3), "p99": round(_percentile(to_pods, 0.99), 3)} if to_pods else None,
         "to_running_s": {"p50": round(_percentile(to_running, 0.5), 3), "p99": round(_percentile(to_running, 0.99), 3)} if to_running else None,
@@ -192,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=20)
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--spacing", type=float, default=0.0, help="seconds between job creations (0: all at once)")
     parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG") or str(REPO / ".tfps" / "kubeconfig"))
     args = parser.parse_args(argv)
-    result = run_bench(args.kubeconfig, args.jobs, args.ps, args.workers)
+    result = run_bench(args.kubeconfig, args.jobs, args.ps, args.workers, args.spacing)
     print(json.dumps(result, indent=2))
     return 0 if result["jobs_running"] == args.jobs else 1
 
