@@ -102,7 +102,7 @@ class Shard:
         self._ckpt_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
         self._warm: tuple[float, int] | None = None  # (time, examples) once past warm-up
         self._last_rate = 0.0
-        self._shared_reply: tuple[int, bytes] = (-1, b"")
+        self._shared_reply: tuple = (-1, False, b"")
         self.vars: dict[str, tf.Variable] = {}
         self.slots: dict[str, dict[str, tf.Variable]] = {}
         for part in parts:
@@ -296,8 +296,9 @@ class Shard:
             return self.clocks[req.worker] - min(self.clocks[w] for w in live) <= self.bound
         return True
 
-    def step(self, data: bytes) -> bytes:
-        """Handle one Step request (push and/or pull); raises Rejected on bad input."""
+    def step(self, data: bytes, chunked: bool = False) -> bytes | list[bytes]:
+        """Handle one Step request (push and/or pull); raises Rejected on bad input.
+        The reply is one message, or its chunks for the streaming call."""
         try:
             req = self._parse(wire.decode(data))
         except wire.WireError as err:
@@ -329,9 +330,9 @@ class Shard:
             self.metrics.workers_live.set(len(self.live_workers()))
             # In sync mode every worker gets the same reply for a version: encode it once.
             shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
-            if shared and self._shared_reply[0] == self.version:
-                out = self._shared_reply[1]
-                self.metrics.bytes_out.inc(len(out))
+            if shared and self._shared_reply[:2] == (self.version, chunked):
+                out = self._shared_reply[2]
+                self.metrics.bytes_out.inc(_size(out))
                 return out
             meta = {
                 "version": self.version,
@@ -350,19 +351,20 @@ class Shard:
                     tensors[f"{name}:rows"] = tf.raw_ops.ResourceGather(resource=self.vars[name].handle, indices=idx, dtype=tf.float32)
         # Serialise outside the lock: the tensors read above are snapshots (TF copies a
         # variable's buffer on the next update while a reader still holds it).
-        out = wire.encode(meta, {k: np.asarray(v) for k, v in tensors.items()})
+        arrays = {k: np.asarray(v) for k, v in tensors.items()}
+        out = wire.encode_chunks(meta, arrays) if chunked else wire.encode(meta, arrays)
         if shared:
-            self._shared_reply = (meta["version"], out)
-        self.metrics.bytes_out.inc(len(out))
+            self._shared_reply = (meta["version"], chunked, out)
+        self.metrics.bytes_out.inc(_size(out))
         return out
 
-    def pull_full(self) -> bytes:
-        """Every part whole, embedding tables included (for export and evaluation)."""
+    def pull_full(self) -> list[bytes]:
+        """Every part whole, embedding tables included (for export and evaluation), as chunks."""
         with self.cond:
             tensors = {name: var.read_value() for name, var in self.vars.items()}
             meta = {"version": self.version, "done": self.done, "incarnation": self.incarnation}
-        out = wire.encode(meta, {k: np.asarray(v) for k, v in tensors.items()})
-        self.metrics.bytes_out.inc(len(out))
+        out = wire.encode_chunks(meta, {k: np.asarray(v) for k, v in tensors.items()})
+        self.metrics.bytes_out.inc(_size(out))
         return out
 
     def status(self) -> dict:
@@ -454,6 +456,10 @@ class Shard:
         self._ckpt_pool.shutdown(wait=True)
 
 
+def _size(out: bytes | list[bytes]) -> int:
+    return len(out) if isinstance(out, bytes) else sum(len(c) for c in out)
+
+
 def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
     def guarded(fn, data: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -467,10 +473,10 @@ def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
         return guarded(shard.step, request, context)
 
     def step_stream(request_iterator, context):
-        return wire.iter_chunks(guarded(shard.step, wire.join(request_iterator), context))
+        return iter(guarded(lambda data: shard.step(data, chunked=True), wire.join(request_iterator), context))
 
     def pull_full(request: bytes, context):
-        return wire.iter_chunks(shard.pull_full())
+        return iter(shard.pull_full())
 
     def status(request: bytes, context) -> bytes:
         return json.dumps(shard.status()).encode()

@@ -27,12 +27,23 @@ def _final_params(training: TrainingSpec, num_ps: int, num_workers: int) -> dict
         return cluster.parameters()
 
 
-@pytest.mark.parametrize("optimizer", [{"name": "sgd", "learningRate": 0.1}, {"name": "adam", "learningRate": 0.01}])
-def test_sync_n_workers_equal_one_worker_with_n_times_the_batch(optimizer):
+LARGE = {"model": "mlp", "modelArgs": {"inputDim": 784, "hidden": [1200, 1200], "samples": 256, "testSamples": 32}, "steps": 4}
+
+
+@pytest.mark.parametrize(
+    "optimizer, extra",
+    [
+        ({"name": "sgd", "learningRate": 0.1}, {}),
+        ({"name": "adam", "learningRate": 0.01}, {}),
+        ({"name": "momentum", "learningRate": 0.01}, LARGE),  # 9 MB a shard: the chunked streaming path
+    ],
+    ids=["sgd", "adam", "momentum-large"],
+)
+def test_sync_n_workers_equal_one_worker_with_n_times_the_batch(optimizer, extra):
     n, batch = 3, 8
-    many = _final_params(_training(batchSize=batch, optimizer=optimizer), num_ps=2, num_workers=n)
-    one = _final_params(_training(batchSize=n * batch, optimizer=optimizer), num_ps=2, num_workers=1)
-    start = {p.name: p.initial_value(0) for p in InProcessCluster(_training()).model().params}
+    many = _final_params(_training(batchSize=batch, optimizer=optimizer, **extra), num_ps=2, num_workers=n)
+    one = _final_params(_training(batchSize=n * batch, optimizer=optimizer, **extra), num_ps=2, num_workers=1)
+    start = {p.name: p.initial_value(0) for p in InProcessCluster(_training(**extra)).model().params}
     for name in one:
         assert not np.allclose(one[name], start[name]), f"{name} did not train"
         np.testing.assert_allclose(many[name], one[name], rtol=1e-4, atol=2e-5, err_msg=name)
