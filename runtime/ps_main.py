@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 
 from .process import ENV_WORKER_TIMEOUT, ProcessConfig, configure_threads, setup_logging
@@ -22,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = ProcessConfig.from_env()
+    try:
+        cfg = ProcessConfig.from_env()
+    except ValueError as err:
+        print(f"tfps ps: {err}", file=sys.stderr)
+        return 2
     index = cfg.cluster.task_index
     setup_logging(cfg.job, f"ps-{index}")
     configure_threads()

@@ -10,8 +10,9 @@ import argparse
 import json
 import logging
 import os
+import sys
 
-from .process import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ProcessConfig, configure_threads, setup_logging
+from .process import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ENV_TERMINATION_LOG, ProcessConfig, configure_threads, setup_logging
 
 log = logging.getLogger("tfps.worker")
 
@@ -22,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = ProcessConfig.from_env()
+    try:
+        cfg = ProcessConfig.from_env()
+    except ValueError as err:
+        print(f"tfps worker: {err}", file=sys.stderr)
+        return 2
     index = cfg.cluster.task_index
     setup_logging(cfg.job, f"worker-{index}")
     configure_threads()
@@ -61,4 +66,17 @@ def run(args: argparse.Namespace) -> int:
         with open(tmp, "w") as fh:
             json.dump(result, fh)
         os.replace(tmp, result_file)
+    write_termination_message(result)
     return 0
+
+
+def write_termination_message(result: dict) -> None:
+    """In a pod, the kubelet copies this file into the container's terminated state, where the
+    operator reads the final result (status.result) after the pods are gone."""
+    if not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return  # not in a pod (`tfps local`): the result file above is the channel
+    try:
+        with open(os.environ.get(ENV_TERMINATION_LOG, "/dev/termination-log"), "w") as fh:
+            json.dump(result, fh, separators=(",", ":"))
+    except OSError as err:
+        log.warning(json.dumps({"event": "termination-message-unwritten", "error": str(err)}))

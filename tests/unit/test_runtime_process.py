@@ -1,0 +1,74 @@
+"""What PS and worker processes read from their environment, and `tfps local`'s restart rules."""
+import json
+
+import pytest
+
+from tfps.runtime.local import Fault, LocalRun
+from tfps.runtime.process import ProcessConfig
+from tfps.runtime.spec import TrainingJob
+
+
+def _env(**extra):
+    return {
+        "TF_CONFIG": json.dumps({"cluster": {"ps": ["j-ps-0.j.ns.svc:2222", "j-ps-1.j.ns.svc:2345"], "worker": ["j-worker-0.j.ns.svc:2222"]},
+                                 "task": {"type": "ps", "index": 1}}),
+        "TFPS_TRAINING": json.dumps({"model": "mlp", "batchSize": 8, "consistency": {"mode": "bounded", "staleness": 3}}),
+        "TFPS_JOB_NAME": "j", "TFPS_NAMESPACE": "ns", "TFPS_BIND_ADDRESS": "10.1.2.3",
+        **extra,
+    }
+
+
+def test_pod_environment_is_read_back():
+    cfg = ProcessConfig.from_env(_env())
+    assert (cfg.job, cfg.namespace, cfg.metrics_port) == ("j", "ns", 9090)
+    assert cfg.training.batch_size == 8 and cfg.training.consistency.staleness == 3
+    assert cfg.own_port == 2345  # the port of this task's own TF_CONFIG address
+    assert cfg.listen_address(cfg.own_port) == "10.1.2.3:2345"
+    assert ProcessConfig.from_env(_env(TFPS_BIND_ADDRESS="fd00::1")).listen_address(2222) == "[fd00::1]:2222"
+    assert ProcessConfig.from_env(_env(TFPS_METRICS_PORT="9100")).metrics_port == 9100
+
+
+def test_missing_training_is_a_clear_error():
+    env = _env()
+    del env["TFPS_TRAINING"]
+    with pytest.raises(ValueError, match="TFPS_TRAINING"):
+        ProcessConfig.from_env(env)
+
+
+def _job(ps_policy="OnFailure", worker_policy="OnFailure"):
+    return TrainingJob.model_validate({
+        "metadata": {"name": "t"},
+        "spec": {"replicaSpecs": {"PS": {"replicas": 1, "restartPolicy": ps_policy}, "Worker": {"replicas": 2, "restartPolicy": worker_policy}},
+                 "training": {"model": "digits-mlp"}},
+    })
+
+
+@pytest.mark.parametrize(
+    "policy, code, restart",
+    [("OnFailure", 1, True), ("OnFailure", -9, True), ("Never", -9, False), ("Always", 0, True),
+     ("ExitCode", 1, False), ("ExitCode", 137, True), ("ExitCode", -9, True)],
+)
+def test_restart_policy_for_a_ps(tmp_path, policy, code, restart):
+    run = LocalRun(_job(ps_policy=policy), workdir=tmp_path)
+    assert run._should_restart(run.replicas[("ps", 0)], code) is restart
+
+
+def test_a_finished_worker_is_never_restarted(tmp_path):
+    run = LocalRun(_job(worker_policy="Always"), workdir=tmp_path)
+    assert run._should_restart(run.replicas[("worker", 1)], 0) is False
+    assert run._should_restart(run.replicas[("worker", 1)], 1) is True
+
+
+def test_local_run_uses_loopback_and_a_checkpoint_folder(tmp_path):
+    run = LocalRun(_job(), workdir=tmp_path)
+    env = run._environment(run.replicas[("worker", 0)])
+    cluster = json.loads(env["TF_CONFIG"])["cluster"]
+    assert all(a.startswith("127.0.0.1:") for a in cluster["ps"] + cluster["worker"])
+    assert json.loads(env["TFPS_TRAINING"])["checkpoint"]["path"] == str(tmp_path / "checkpoints")
+    assert env["TFPS_RESULT_FILE"]
+
+
+def test_fault_syntax():
+    assert (Fault.parse("ps-1@300").replica, Fault.parse("ps-1@300").step) == ("ps-1", 300)
+    with pytest.raises(ValueError):
+        Fault.parse("ps1")
