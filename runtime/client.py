@@ -14,6 +14,7 @@ import time
 import grpc
 
 from . import wire
+from .auth import ClientSecurity
 from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.client")
@@ -30,11 +31,12 @@ CALL_TIMEOUT = POLL_SECONDS + 60.0
 
 
 class ShardClient:
-    def __init__(self, address: str, index: int, retry_seconds: float = 300.0, on_retry=None):
+    def __init__(self, address: str, index: int, retry_seconds: float = 300.0, on_retry=None,
+                 security: ClientSecurity | None = None):
         self.address, self.index = address, index
         self.retry_seconds = retry_seconds
         self.on_retry = on_retry
-        self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self.channel = (security or ClientSecurity(None)).channel(address, CLIENT_OPTIONS)
         path = f"/{SERVICE}/"
         self._step = self.channel.unary_unary(path + "Step")
         self._step_stream = self.channel.stream_stream(path + "StepStream")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from . import auth
 from .process import ENV_RESULT_FILE
 from .spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob, load_manifest
 from .tfconfig import (
@@ -99,6 +100,9 @@ class LocalRun:
         if training.checkpoint.path is None:
             training.checkpoint.path = str(self.workdir / "checkpoints")
         self.training = training
+        # A token per run (and, with spec.training.tls, a CA and a cert for loopback), as the
+        # operator's per-job Secret gives pods.
+        self.token_file = auth.write_material(self.workdir / "auth", auth.new_token(), self._tls_material())
         spec = self.job.spec
         self.replicas: dict[tuple[str, int], Replica] = {}
         for rtype in (ReplicaType.PS, ReplicaType.WORKER):
@@ -109,6 +113,13 @@ class LocalRun:
         self.restarts = 0
         self.events: list[str] = []
         self._client = None
+
+    def _tls_material(self):
+        if not self.training.tls:
+            return None
+        from .pki import issue
+
+        return issue(f"{self.job.name}.local", ["localhost"], [LOOPBACK])
 
     # ---- processes ----
     def _address(self, rtype: ReplicaType, index: int) -> str:
@@ -125,6 +136,7 @@ class LocalRun:
             ENV_TRAINING: json.dumps(self.training.to_manifest()),
             ENV_BIND_ADDRESS: LOOPBACK,
             ENV_METRICS_PORT: str(replica.metrics_port),
+            auth.ENV_AUTH_TOKEN_FILE: str(self.token_file),
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             "PYTHONUNBUFFERED": "1",
             **self.env,
@@ -169,7 +181,8 @@ class LocalRun:
         if self._client is None:
             from .client import ShardClient
 
-            self._client = ShardClient(self._address(ReplicaType.PS, 0), 0, retry_seconds=0)
+            security = auth.ClientSecurity.from_env(self.training.tls, {auth.ENV_AUTH_TOKEN_FILE: str(self.token_file)})
+            self._client = ShardClient(self._address(ReplicaType.PS, 0), 0, retry_seconds=0, security=security)
         return self._client
 
     def poll_status(self) -> dict:

@@ -36,6 +36,7 @@ import tensorflow as tf
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import checkpoint, wire
+from .auth import ServerSecurity
 from .metrics import PSMetrics
 from .models import Param
 from .optimizers import ShardOptimizer
@@ -497,13 +498,16 @@ def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
     )
 
 
-def serve(shard: Shard, address: str, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start the gRPC server for `shard` on `address` (host:port); returns it and the bound port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"), options=GRPC_OPTIONS)
+def serve(shard: Shard, address: str, max_workers: int = 16, security: ServerSecurity | None = None) -> tuple[grpc.Server, int]:
+    """Start the gRPC server for `shard` on `address` (host:port); returns it and the bound port.
+    Without `security` it is open and plaintext (tests on loopback)."""
+    security = security or ServerSecurity(None)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"), options=GRPC_OPTIONS,
+                         interceptors=security.interceptors(shard.metrics, shard.index))
     server.add_generic_rpc_handlers((_handlers(shard),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
+    port = security.add_port(server, address)
     if port == 0:
         raise OSError(f"cannot bind the PS gRPC server on {address}")
     server.start()

@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .metrics import Identity, PSMetrics
     from .models import load_model
+    from .auth import ServerSecurity
     from .ps import Shard, serve
     from .sharding import place
 
@@ -53,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_root=cfg.training.checkpoint.path,
         worker_timeout=float(os.environ.get(ENV_WORKER_TIMEOUT, 10.0)),
     )
-    server, port = serve(shard, cfg.listen_address(cfg.own_port))
+    security = ServerSecurity.from_env(cfg.training.tls)  # before serving: no material, no start
+    server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security)
     log.info(json.dumps({
         "event": "serving", "address": cfg.listen_address(port), "metrics_port": metrics_port, "step": shard.version,
         "parts": len(plan.for_ps(index)), "parameters": sum(p.size for p in plan.for_ps(index)),
         "mode": cfg.training.consistency.mode.value,
+        "auth": security.material is not None, "tls": cfg.training.tls,
     }))
 
     stop = threading.Event()

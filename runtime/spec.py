@@ -106,6 +106,7 @@ class TrainingSpec(_Model):
     consistency: ConsistencySpec = Field(default_factory=ConsistencySpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     export_path: str | None = None  # SavedModel of the final parameters, written on success
+    tls: bool = False  # workers reach the PS over TLS with the job's certificate (runtime/auth.py)
 
 
 class RunPolicy(_Model):

@@ -110,12 +110,13 @@ class Worker:
         metrics: WorkerMetrics,
         retry_seconds: float = 300.0,
         pipeline: bool | None = None,
+        security=None,  # auth.ClientSecurity: the job's token (and TLS) for every PS call
     ):
         self.model, self.training, self.index = model, training, index
         self.num_workers, self.metrics = num_workers, metrics
         self.mode = training.consistency.mode
         self.plan: Plan = place(model.params, len(ps_addresses))
-        self.clients = [ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc) for k, a in enumerate(ps_addresses)]
+        self.clients = [ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc, security=security) for k, a in enumerate(ps_addresses)]
         self.pool = futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="push") if len(self.clients) > 1 else None
         self.train, self.test = model.data()
         self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)

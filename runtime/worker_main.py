@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from .auth import ClientSecurity
     from .metrics import Identity, WorkerMetrics
     from .models import load_model
     from .worker import Worker, use_gpu_memory_growth
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(
         model, cfg.training, cfg.cluster.ps, max(1, len(cfg.cluster.workers)), index, metrics,
         retry_seconds=float(os.environ.get(ENV_RETRY_SECONDS, 300.0)),
+        security=ClientSecurity.from_env(cfg.training.tls),
     )
     log.info(json.dumps({"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}))
     try:
