@@ -2,8 +2,8 @@
 """Start and stop the local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager,
 kube-scheduler) and the local node on 127.0.0.1, with state, PKI and logs in one folder.
 
-Usage: hack/cluster.sh up | down [--purge] | stop COMPONENT... | release --session PID | status | env |
-       kubeconfig | logs
+Usage: hack/cluster.sh up | down [--purge] | stop COMPONENT... | restart COMPONENT... | release --session PID |
+       status | env | kubeconfig | logs
 
 Standard library only, so it runs before the project's virtual environment exists; the local node
 (hack/localnode.py) runs with the venv's Python.
@@ -12,7 +12,8 @@ State folder ($TFPS_STATE, default <repo>/.tfps):
   cluster.json   ports and URL of the running control plane
   pki/           CA, serving cert, admin client cert, service-account key pair
   kubeconfig     admin kubeconfig (system:masters)
-  etcd/          etcd data (wiped whenever etcd starts cold: the cluster lives as long as its processes)
+  etcd/          etcd data (wiped whenever `up` finds etcd stopped: the cluster lives as long as its processes;
+                 `restart etcd` keeps it, like a real control-plane restart)
   pids/          one pid file per component
   logs/          one log per component
   pods/          the local node's pod logs and runtime files
@@ -570,6 +571,37 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
     return info
 
 
+def restart(p: Paths, comps: list[str]) -> list[str]:
+    """Stop the named components (those running) and start them again on the same ports and data,
+    etcd's included: the cluster survives, as a real one survives a control-plane restart. Also
+    starts components ended by `stop`. Returns what was started, in start order."""
+    info = load_info(p)
+    if not info or not p.kubeconfig.exists():
+        raise SystemExit("no cluster recorded in this state folder: run `hack/cluster.sh up` first")
+    order = [c for c in COMPONENTS if c in comps]
+    node_argv = recorded(p, "localnode", "argv") or localnode_argv(p, info, [])
+    for comp in reversed(order):
+        stop(p, comp)
+    url = info["apiserver_url"]
+    for comp in order:
+        if comp == "localnode":
+            pid = spawn(p, comp, node_argv)
+            marker = p.root / "localnode.ready"
+            wait_for("the local node to register", lambda: marker.exists() and marker.read_text() == str(pid), 60,
+                     comp, p)
+            continue
+        deadline = time.monotonic() + 30
+        while comp == "kube-apiserver" and not port_free(info["apiserver_port"]) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the old process's socket lingers a moment
+        spawn(p, comp, ARGV[comp](p, info) if comp != "etcd" else etcd_argv(p, info))
+        if comp == "etcd":
+            wait_for("etcd /health", lambda: etcd_healthy(info), 60, comp, p)
+        elif comp == "kube-apiserver":
+            wait_for("kube-apiserver /readyz", lambda: api_get(p, url, "/readyz")[0] == 200, 120, comp, p)
+    log.info("restarted %s", ", ".join(order))
+    return order
+
+
 def stop_pods(p: Paths) -> None:
     """The node leaves pod processes running across its own restarts; a full stop ends them."""
     if (p.root / "run").exists():
@@ -622,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--session", type=int, required=True)
     st = sub.add_parser("stop", help="stop single components (`up` starts them again)")
     st.add_argument("components", nargs="+", choices=COMPONENTS)
+    rs = sub.add_parser("restart", help="stop and start components keeping etcd's data (also starts stopped ones)")
+    rs.add_argument("components", nargs="+", choices=COMPONENTS)
     sub.add_parser("status", help="show components; exit 1 unless all run and the API is ready")
     sub.add_parser("env", help="print shell exports (eval \"$(hack/cluster.sh env)\")")
     sub.add_parser("kubeconfig", help="print the kubeconfig path")
@@ -646,6 +680,10 @@ def main(argv: list[str] | None = None) -> int:
         with locked(p):
             for comp in args.components:
                 stop(p, comp)
+        return 0
+    if args.cmd == "restart":
+        with locked(p):
+            restart(p, args.components)
         return 0
     if args.cmd == "release":
         with locked(p):

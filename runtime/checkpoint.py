@@ -6,6 +6,7 @@ folder fsynced: a reader sees the previous checkpoint or the new one, never half
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -14,6 +15,11 @@ import numpy as np
 from . import wire
 
 FILE_NAME = "shard.tfps"
+# Tests only: "<step>" makes the process SIGKILL itself once (a marker file in the folder
+# remembers it), between writing that step's temporary file and renaming it: a crash in the
+# middle of a checkpoint, made deterministic.
+ENV_CRASH_AT = "TFPS_TEST_CHECKPOINT_CRASH_AT"
+CRASH_MARKER = ".crash-hook-fired"
 
 
 def shard_dir(root: str | Path, ps_index: int) -> Path:
@@ -31,6 +37,7 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
                 fh.write(chunk)
             fh.flush()
             os.fsync(fh.fileno())
+        _crash_hook(folder, meta)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -41,6 +48,14 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
     finally:
         os.close(dir_fd)
     return target
+
+
+def _crash_hook(folder: Path, meta: dict) -> None:
+    at = os.environ.get(ENV_CRASH_AT)
+    if not at or str(meta.get("version")) != at or (folder / CRASH_MARKER).exists():
+        return
+    (folder / CRASH_MARKER).write_text(at)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def read(folder: str | Path) -> wire.Message | None:

@@ -146,3 +146,34 @@ def namespace(cluster, request):
     except ApiException as e:
         if e.status != 404:
             raise
+
+
+# --- the reliability report (hack/reliability.py): figures the fault and bad-input tests leave ---
+
+def _reliability():
+    spec = importlib.util.spec_from_file_location("tfps_hack_reliability", REPO / "hack" / "reliability.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_RELIABILITY = _reliability()
+_reliability_records: list[dict] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or (report.when == "setup" and report.outcome == "failed"):
+        _RELIABILITY.collect(_reliability_records, report.nodeid, report.outcome, report.user_properties)
+
+
+def pytest_sessionfinish(session):
+    if _reliability_records:
+        _RELIABILITY.write(_reliability_records)
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines = _RELIABILITY.summary(_reliability_records)
+    if lines:
+        terminalreporter.section("reliability")
+        for line in lines:
+            terminalreporter.write_line(line)

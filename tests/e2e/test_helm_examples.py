@@ -9,9 +9,7 @@ container runtime on this machine).
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -24,20 +22,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-
-
-@pytest.fixture
-def release(cluster, namespace):
-    """The chart installed by helm, its operator serving only this test's namespace."""
-    name = f"tfps-{uuid.uuid4().hex[:6]}"
-    def helm(*args: str, check: bool = True):
-        return subprocess.run(["helm", *args], env=cluster.env, capture_output=True, text=True, timeout=400, check=check)
-
-    out = helm("install", name, str(REPO / "charts" / "tfps"), "--namespace", namespace,
-               "--set", f"operator.watchNamespaces={{{namespace}}}", "--wait", "--timeout", "5m", check=False)
-    assert out.returncode == 0, out.stderr
-    yield name
-    helm("uninstall", name, "--namespace", namespace, "--wait", "--timeout", "2m", check=False)
 
 
 def _get_job(cluster, namespace: str, name: str) -> dict:

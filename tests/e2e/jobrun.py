@@ -1,0 +1,250 @@
+"""Helpers of the end-to-end tests: the chart installed by helm, and a TrainingJob run on the real
+stack, watched for duplicate pods (in the API and as processes on this machine) while faults are
+injected."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+
+LABEL_JOB, LABEL_TYPE, LABEL_INDEX = "tfps.io/job-name", "tfps.io/replica-type", "tfps.io/replica-index"
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "tfps"
+
+
+def helm(cluster, *args: str, check: bool = True, timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run(["helm", *args], env=cluster.env, capture_output=True, text=True, timeout=timeout,
+                          check=check)
+
+
+@contextlib.contextmanager
+def install_chart(cluster, namespace: str, *set_values: str):
+    """`helm install` of charts/tfps into `namespace` (its operator watching only that namespace),
+    waited for; uninstalled on exit. Yields the release name."""
+    name = f"tfps-{uuid.uuid4().hex[:6]}"
+    sets = [a for v in (f"operator.watchNamespaces={{{namespace}}}", *set_values) for a in ("--set", v)]
+    out = helm(cluster, "install", name, str(CHART), "--namespace", namespace, *sets, "--wait", "--timeout", "5m",
+               check=False)
+    assert out.returncode == 0, out.stderr
+    try:
+        yield name
+    finally:
+        helm(cluster, "uninstall", name, "--namespace", namespace, "--wait", "--timeout", "2m", check=False)
+
+
+CHECKPOINT_MOUNT = "/var/tmp/tfps-checkpoints"
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env: dict | None = None) -> dict:
+    """digits-mlp, 2 PS + 2 workers, sync; the PS pods keep their checkpoints on a hostPath
+    volume, so a recreated PS pod finds them (as it would on a persistent volume)."""
+    ps_container = {"name": "tensorflow", "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}]}
+    if ps_env:
+        ps_container["env"] = [{"name": k, "value": v} for k, v in ps_env.items()]
+    ps_template = {"spec": {
+        "volumes": [{"name": "checkpoints", "hostPath": {"path": str(checkpoint_dir), "type": "DirectoryOrCreate"}}],
+        "containers": [ps_container]}}
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "TrainingJob", "metadata": {"name": name},
+        "spec": {
+            "replicaSpecs": {"PS": {"replicas": 2, "restartPolicy": "OnFailure", "template": ps_template},
+                             "Worker": {"replicas": 2, "restartPolicy": "OnFailure"}},
+            "training": {"model": "digits-mlp", "modelArgs": {"hidden": [64]}, "seed": 0,
+                         "optimizer": {"name": "adam", "learningRate": 0.003}, "batchSize": 32, "steps": steps,
+                         "consistency": {"mode": "sync"},
+                         "checkpoint": {"path": CHECKPOINT_MOUNT, "everySteps": every}},
+            "runPolicy": {"backoffLimit": 4, "activeDeadlineSeconds": 900},
+        },
+    }
+
+
+def job_processes(namespace: str, job: str) -> dict[tuple[str, int], list[int]]:
+    """The Python processes of a job's pods on this machine, by (task type, index), read from
+    /proc (their environment carries the job, namespace and TF_CONFIG the operator set)."""
+    out: dict[tuple[str, int], list[int]] = {}
+    want = (f"TFPS_JOB_NAME={job}".encode(), f"TFPS_NAMESPACE={namespace}".encode())
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{d}/cmdline").read_bytes()
+            if b"python" not in cmd.split(b"\0", 1)[0]:
+                continue
+            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] == "Z" or not all(w in env for w in want):
+            continue
+        tf = next((e[len(b"TF_CONFIG="):] for e in env if e.startswith(b"TF_CONFIG=")), None)
+        if tf is None:
+            continue
+        task = json.loads(tf)["task"]
+        out.setdefault((task["type"], int(task["index"])), []).append(int(d))
+    return out
+
+
+@dataclass
+class Watch:
+    """What the duplicate watcher saw during a run."""
+    api_duplicates: list[str] = field(default_factory=list)
+    process_duplicates: list[str] = field(default_factory=list)
+    too_many: list[str] = field(default_factory=list)
+    polls: int = 0
+
+
+class JobRun:
+    """One TrainingJob on the cluster, watched from creation to its end."""
+
+    def __init__(self, cluster, namespace: str, body: dict):
+        self.cluster, self.namespace, self.body = cluster, namespace, body
+        self.name = body["metadata"]["name"]
+        self.replicas = sum(r["replicas"] for r in body["spec"]["replicaSpecs"].values())
+        self.core = client.CoreV1Api(cluster.api)
+        self.custom = client.CustomObjectsApi(cluster.api)
+        self.watch = Watch()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch_loop, name=f"watch-{self.name}", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "JobRun":
+        self.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, self.namespace, PLURAL, self.body)
+        self._thread.start()
+        return self
+
+    def stop_watching(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _watch_loop(self) -> None:
+        while not self._stop.is_set():
+            self._check_api()
+            self._check_processes()
+            self.watch.polls += 1
+            self._stop.wait(0.3)
+
+    def _check_api(self) -> None:
+        try:
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"{LABEL_JOB}={self.name}",
+                                                 _request_timeout=5).items
+        except Exception:  # the apiserver may be down on purpose
+            return
+        live = [p for p in pods if p.status.phase not in ("Succeeded", "Failed")]
+        keys = Counter((p.metadata.labels.get(LABEL_TYPE), p.metadata.labels.get(LABEL_INDEX)) for p in live)
+        for key, n in keys.items():
+            if n > 1:
+                self.watch.api_duplicates.append(f"{key}: {[p.metadata.name for p in live]}")
+        if len(live) > self.replicas:
+            self.watch.too_many.append(f"{len(live)} pods: {[p.metadata.name for p in live]}")
+
+    def _check_processes(self) -> None:
+        procs = job_processes(self.namespace, self.name)
+        for key, pids in procs.items():
+            if len(pids) > 1:
+                # a pid that exited between the scan and now is not a duplicate
+                pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+                if len(pids) > 1:
+                    self.watch.process_duplicates.append(f"{key}: pids {pids}")
+
+    # -- reading the run ---------------------------------------------------------------------
+    def job(self) -> dict:
+        return self.custom.get_namespaced_custom_object(API_GROUP, API_VERSION, self.namespace, PLURAL, self.name)
+
+    def pod(self, rtype: str, index: int):
+        return self.core.read_namespaced_pod(f"{self.name}-{rtype}-{index}", self.namespace)
+
+    def metric(self, rtype: str, index: int, name: str, timeout: float = 3) -> float | None:
+        """A metric the pod serves on its IP (port 9090), or None when it does not answer."""
+        try:
+            ip = self.pod(rtype, index).status.pod_ip
+            if not ip:
+                return None
+            with _NO_PROXY.open(f"http://{ip}:9090/metrics", timeout=timeout) as resp:
+                text = resp.read().decode()
+        except (OSError, ApiException):
+            return None
+        m = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)
+        return float(m.group(1)) if m else None
+
+    def wait_step(self, step: int, timeout: float = 300) -> int:
+        """Wait until PS 0 has applied `step` updates; returns the step it reports."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.metric("ps", 0, "tfps_ps_global_step")
+            if got is not None and got >= step:
+                return int(got)
+            time.sleep(0.3)
+        raise AssertionError(f"{self.name}: PS 0 did not reach step {step} in {timeout}s; job status: "
+                             f"{json.dumps(self.job().get('status'), indent=1)}")
+
+    def wait_finished(self, timeout: float = 600) -> dict:
+        deadline = time.monotonic() + timeout
+        status: dict = {}
+        while time.monotonic() < deadline:
+            try:
+                status = self.job().get("status") or {}
+            except Exception:  # apiserver restarting
+                status = status
+            if status.get("phase") in ("Succeeded", "Failed"):
+                return status
+            time.sleep(1)
+        raise AssertionError(f"{self.name}: not finished in {timeout}s: {json.dumps(status, indent=1)}")
+
+    def result(self) -> dict:
+        """Worker 0's final result (steps, loss, accuracy): its termination message, which the
+        local node puts in the container's terminated state like a kubelet."""
+        pod = self.pod("worker", 0)
+        for cs in pod.status.container_statuses or []:
+            term = cs.state.terminated if cs.state else None
+            if cs.name == "tensorflow" and term and term.message:
+                return json.loads(term.message)
+        raise AssertionError(f"worker 0 left no termination message: {pod.status}")
+
+    def log(self, rtype: str, index: int) -> str:
+        """The pod's container output, earlier pods of the same name included (the local node
+        keeps a replaced pod's logs in `<pod>.<uid>`)."""
+        pod = f"{self.name}-{rtype}-{index}"
+        root = self.cluster.state_dir / "pods" / self.namespace
+        files = sorted(root.glob(f"{pod}.*/tensorflow.log"), key=lambda p: p.stat().st_mtime)
+        files.append(root / pod / "tensorflow.log")
+        return "\n".join(f.read_text(errors="replace") for f in files if f.exists())
+
+    def events(self, rtype: str, index: int, event: str) -> list[dict]:
+        out = []
+        for line in self.log(rtype, index).splitlines():
+            if f'"event": "{event}"' in line:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+        return out
+
+    def kill(self, rtype: str, index: int, sig: int = signal.SIGKILL) -> int:
+        """Signal the pod's process (the program itself, not the local node's launcher)."""
+        pids = job_processes(self.namespace, self.name).get((rtype, index))
+        assert pids and len(pids) == 1, f"{rtype}-{index}: processes {pids}"
+        os.kill(pids[0], sig)
+        return pids[0]
+
+    def delete(self) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(API_GROUP, API_VERSION, self.namespace, PLURAL, self.name)
+        except ApiException as err:
+            if err.status != 404:
+                raise

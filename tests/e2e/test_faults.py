@@ -1,0 +1,217 @@
+"""Faults during a real training run, each in its own test: the job still reaches Succeeded,
+ends within 1 accuracy point of an undisturbed run with the same seed, a restored PS redoes at
+most one checkpoint interval and no checkpointed step is lost, and never are two pods (in the
+API) or two processes (on this machine) alive for one replica, nor more pods than replicas.
+
+The stack is the real one: kube-apiserver, etcd, controller-manager and scheduler, the chart
+installed by helm (its operator is a pod run by the local node, with the chart's ServiceAccount),
+real PS and worker processes. The local node stands in for the kubelet (no container runtime
+here). Tests that restart kube-apiserver/etcd or the local node disturb every user of the
+cluster: run this file in a session of its own (`make reliability` does).
+
+Each fault's figures go to the reliability report (hack/reliability.py).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from jobrun import JobRun, install_chart, manifest
+from tfps.runtime.checkpoint import CRASH_MARKER, ENV_CRASH_AT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_SH = REPO / "hack" / "cluster.sh"
+STEPS, EVERY = 400, 50  # a few hundred steps, a checkpoint every 50
+FAULT_AT = 150  # the step (of PS 0) after which the fault is injected
+ACCURACY_POINTS = 0.01
+
+
+@pytest.fixture(scope="module")
+def stack(cluster):
+    """A namespace with the chart installed (operator serving only it), shared by the module's jobs."""
+    core = client.CoreV1Api(cluster.api)
+    ns = f"faults-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns, "labels": {"tfps.io/test": "true"}}})
+    deadline = time.monotonic() + 60
+    while not core.list_namespaced_service_account(ns, field_selector="metadata.name=default").items:
+        assert time.monotonic() < deadline, "no default ServiceAccount"
+        time.sleep(0.2)
+    try:
+        with install_chart(cluster, ns):
+            yield ns
+            custom = client.CustomObjectsApi(cluster.api)
+            custom.delete_collection_namespaced_custom_object("tfps.io", "v1alpha1", ns, "trainingjobs")
+            deadline = time.monotonic() + 60
+            while custom.list_namespaced_custom_object("tfps.io", "v1alpha1", ns, "trainingjobs")["items"]:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+    finally:
+        core.delete_namespace(ns)
+
+
+def _run(cluster, ns: str, name: str, tmp_path: Path, ps_env: dict | None = None) -> JobRun:
+    body = manifest(name, tmp_path / "checkpoints", steps=STEPS, every=EVERY, ps_env=ps_env)
+    return JobRun(cluster, ns, body).start()
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster, stack, tmp_path_factory) -> dict:
+    """The undisturbed run, same seed and shape: the accuracy the faulted runs are held to."""
+    run = _run(cluster, stack, "baseline", tmp_path_factory.mktemp("baseline"))
+    try:
+        status = run.wait_finished()
+    finally:
+        run.stop_watching()
+    assert status["phase"] == "Succeeded", status
+    result = run.result()
+    assert result["steps"] == STEPS and result["accuracy"] >= 0.9, result
+    return result
+
+
+def _cluster_sh(cluster, *args: str) -> None:
+    subprocess.run([str(CLUSTER_SH), *args], env=cluster.env, check=True, capture_output=True, timeout=300)
+
+
+def _operator_pod(cluster, ns: str):
+    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(ns, label_selector="app.kubernetes.io/name=tfps").items
+    (pod,) = [p for p in pods if not p.metadata.deletion_timestamp]
+    return pod
+
+
+def _kill_operator(cluster, ns: str) -> None:
+    """SIGKILL the operator (the program, under the local node's launcher shell); the local node
+    restarts its container (the Deployment's pod has restartPolicy Always)."""
+    pod = _operator_pod(cluster, ns)
+    (cs,) = pod.status.container_statuses
+    launcher = int(cs.container_id.rsplit("/", 1)[1])
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    assert children, f"operator launcher {launcher} has no child"
+    for pid in children:
+        os.kill(int(pid), signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        cs = _operator_pod(cluster, ns).status.container_statuses[0]
+        if cs.restart_count > 0 and cs.state.running:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the operator was not restarted")
+
+
+def _inject(fault: str, run: JobRun, cluster, ns: str) -> None:
+    if fault == "ps-0 SIGKILL":
+        run.kill("ps", 0)
+    elif fault == "worker-1 SIGKILL":
+        run.kill("worker", 1)
+    elif fault == "ps-0 pod deleted (kubectl)":
+        cluster.kubectl("delete", "pod", f"{run.name}-ps-0", "-n", ns, "--wait=false")
+    elif fault == "worker-1 pod deleted (kubectl)":
+        cluster.kubectl("delete", "pod", f"{run.name}-worker-1", "-n", ns, "--wait=false")
+    elif fault == "operator SIGKILL and restart":
+        _kill_operator(cluster, ns)
+    elif fault == "kube-apiserver and etcd restart":
+        _cluster_sh(cluster, "stop", "kube-apiserver", "etcd")
+        time.sleep(5)  # training goes on without a control plane
+        _cluster_sh(cluster, "restart", "etcd", "kube-apiserver")
+    elif fault == "local node stop and start":
+        _cluster_sh(cluster, "stop", "localnode")
+        time.sleep(5)  # pod processes go on without their node
+        _cluster_sh(cluster, "restart", "localnode")
+    else:
+        raise ValueError(fault)
+
+
+FAULTS = ["ps-0 SIGKILL", "worker-1 SIGKILL", "ps-0 pod deleted (kubectl)", "worker-1 pod deleted (kubectl)",
+          "operator SIGKILL and restart", "kube-apiserver and etcd restart", "local node stop and start"]
+
+
+def _check_run(run: JobRun, baseline: dict, fault: str, before: dict, record_property, status: dict) -> dict:
+    """The assertions every faulted run must pass; records its figures first."""
+    run.stop_watching()
+    figures = {"kind": "fault", "fault": fault, "phase": status.get("phase"), "baseline": baseline["accuracy"],
+               "checkpoint_interval": EVERY, "steps_redone": 0, "steps_lost": 0,
+               "duplicates": len(run.watch.api_duplicates) + len(run.watch.process_duplicates) + len(run.watch.too_many)}
+    restores = {}
+    for ps in (0, 1):
+        restored = run.events("ps", ps, "restored")[before[ps]["restores"]:]
+        if restored:
+            step = min(e["step"] for e in restored)
+            restores[ps] = step
+            figures["steps_redone"] = max(figures["steps_redone"], before[ps]["step"] - step)
+            figures["steps_lost"] = max(figures["steps_lost"], before[ps]["checkpoint"] - step)
+    figures["restores"] = restores
+    result = {}
+    if status.get("phase") == "Succeeded":
+        result = run.result()
+        figures["accuracy"] = result["accuracy"]
+        figures["steps"] = result["steps"]
+    record_property("reliability", figures)
+
+    assert status.get("phase") == "Succeeded", status
+    assert result["steps"] == STEPS, result
+    assert abs(result["accuracy"] - baseline["accuracy"]) <= ACCURACY_POINTS, (result, baseline)
+    assert not run.watch.api_duplicates and not run.watch.too_many, run.watch
+    assert not run.watch.process_duplicates, run.watch
+    assert run.watch.polls > 10, run.watch
+    assert figures["steps_lost"] <= 0, figures
+    assert figures["steps_redone"] <= EVERY, figures
+    return figures
+
+
+def _before(run: JobRun) -> dict:
+    """Per PS: its step, its last checkpoint and how many restores its log shows, just before a fault."""
+    out = {}
+    for ps in (0, 1):
+        ckpts = run.events("ps", ps, "checkpoint")
+        out[ps] = {"step": int(run.metric("ps", ps, "tfps_ps_global_step") or 0),
+                   "checkpoint": max((e["step"] for e in ckpts), default=0),
+                   "restores": len(run.events("ps", ps, "restored"))}
+    return out
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_mid_run_is_survived(cluster, stack, baseline, fault, tmp_path, record_property):
+    name = "f-" + "".join(ch if ch.isalnum() else "-" for ch in fault.lower().split(" (")[0]).strip("-")[:30].strip("-")
+    run = _run(cluster, stack, name, tmp_path)
+    try:
+        run.wait_step(FAULT_AT)
+        before = _before(run)
+        _inject(fault, run, cluster, stack)
+        status = run.wait_finished()
+    finally:
+        run.stop_watching()
+    figures = _check_run(run, baseline, fault, before, record_property, status)
+    if fault.startswith("ps-0"):
+        assert 0 in figures["restores"], "PS 0 did not restore its checkpoint"
+        restarted = run.pod("ps", 0).status.container_statuses[0].restart_count
+        assert restarted == (1 if "SIGKILL" in fault else 0)
+
+
+def test_crash_in_the_middle_of_a_checkpoint_restores_the_previous_one(cluster, stack, baseline, tmp_path,
+                                                                        record_property):
+    """Both PS die (SIGKILL, by a test hook) after writing the temporary file of the step-200
+    checkpoint and before renaming it: each restarts from the step-150 checkpoint, intact."""
+    crash_at = 4 * EVERY
+    run = _run(cluster, stack, "f-checkpoint-crash", tmp_path, ps_env={ENV_CRASH_AT: str(crash_at)})
+    try:
+        run.wait_step(EVERY)
+        before = {ps: {"step": crash_at, "checkpoint": crash_at - EVERY, "restores": 0} for ps in (0, 1)}
+        status = run.wait_finished()
+    finally:
+        run.stop_watching()
+    figures = _check_run(run, baseline, "crash mid-checkpoint (both PS)", before, record_property, status)
+    assert figures["restores"] == {0: crash_at - EVERY, 1: crash_at - EVERY}, figures
+    for ps in (0, 1):
+        folder = tmp_path / "checkpoints" / f"ps-{ps}"
+        assert (folder / CRASH_MARKER).read_text() == str(crash_at)
+        assert list(folder.glob(".shard-*.tmp")), "the half-written temporary file should be left by the crash"
+        assert run.pod("ps", ps).status.container_statuses[0].restart_count == 1
