@@ -44,13 +44,29 @@ class ShardOptimizer:
 
     def apply_dense(self, var: tf.Variable, slots: dict[str, tf.Variable], grad, t: int) -> None:
         """One update with `grad`; `t` (1-based) counts this shard's updates (Adam's bias correction)."""
+        self._dense_op(var, slots, grad, *self._adam_powers(t))
+
+    def dense_applier(self, variables: dict[str, tf.Variable], slots: dict[str, dict[str, tf.Variable]]):
+        """`apply(grads: dict[name, array], t)`: every dense gradient of a shard in one graph
+        call, the fused ops of different variables free to run in parallel."""
+
+        @tf.function
+        def apply_all(grads, b1p, b2p):
+            for name, grad in grads.items():
+                self._dense_op(variables[name], slots[name], grad, b1p, b2p)
+
+        def apply(grads: dict, t: int) -> None:
+            apply_all(grads, *self._adam_powers(t))
+
+        return apply
+
+    def _dense_op(self, var, slots, grad, b1p, b2p) -> None:
         name, h = self.name, var.handle
         if name is OptimizerName.SGD:
             tf.raw_ops.ResourceApplyGradientDescent(var=h, alpha=self._lr, delta=grad)
         elif name is OptimizerName.MOMENTUM:
             tf.raw_ops.ResourceApplyMomentum(var=h, accum=slots["momentum"].handle, lr=self._lr, grad=grad, momentum=self._momentum)
         elif name is OptimizerName.ADAM:
-            b1p, b2p = self._adam_powers(t)
             tf.raw_ops.ResourceApplyAdam(
                 var=h, m=slots["m"].handle, v=slots["v"].handle, beta1_power=b1p, beta2_power=b2p,
                 lr=self._lr, beta1=self._b1, beta2=self._b2, epsilon=self._eps, grad=grad,

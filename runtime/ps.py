@@ -113,6 +113,8 @@ class Shard:
                 s: tf.Variable(self.optimizer.initial_slot(s, value.shape), name=f"{part.name.replace('/', '_')}_{s}")
                 for s in self.optimizer.slot_names()
             }
+        dense_vars = {n: v for n, v in self.vars.items() if not self.parts[n].sparse}
+        self._apply_dense = self.optimizer.dense_applier(dense_vars, self.slots)
         self._reset_accumulators()
         self._restore()
         self._publish()
@@ -217,8 +219,8 @@ class Shard:
     def _apply(self, dense: dict[str, np.ndarray], sparse: dict[str, tuple[np.ndarray, np.ndarray]], examples: int, loss: float | None, staleness: int) -> None:
         t0 = time.perf_counter()
         t = self.version + 1
-        for name, grad in dense.items():
-            self.optimizer.apply_dense(self.vars[name], self.slots[name], tf.convert_to_tensor(grad), t)
+        if dense:
+            self._apply_dense(dense, t)
         for name, (rows, values) in sparse.items():
             self.optimizer.apply_sparse(self.vars[name], self.slots[name], rows, values, t)
         self.version = t

@@ -63,3 +63,16 @@ def test_sparse_update_moves_only_the_touched_rows(name):
     np.add.at(dense, rows, values)
     expected = reference(name, spec, W0, [dense])
     np.testing.assert_allclose(after[[1, 4]], expected[[1, 4]], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_one_graph_call_for_all_variables_matches_op_by_op(name):
+    spec, opt, var, slots = _setup(name)
+    other = tf.Variable(W0[:2])
+    other_slots = {s: tf.Variable(opt.initial_slot(s, (2, 3))) for s in opt.slot_names()}
+    apply = opt.dense_applier({"a": var, "b": other}, {"a": slots, "b": other_slots})
+    for t, g in enumerate(GRADS, start=1):
+        apply({"a": g, "b": g[:2]}, t)
+    expected = reference(name, spec, W0, GRADS)
+    np.testing.assert_allclose(var.numpy(), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(other.numpy(), expected[:2], rtol=1e-5, atol=1e-6)
