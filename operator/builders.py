@@ -13,7 +13,7 @@ from typing import Any
 from tfps.runtime import tfconfig
 from tfps.runtime.spec import API_GROUP, API_VERSION, KIND, ReplicaType, RestartPolicy, TrainingJob
 
-from . import naming
+from . import naming, security
 from .config import OperatorConfig
 
 # TFJob semantics: the kubelet restarts in place for Always/OnFailure; for ExitCode the
@@ -158,12 +158,12 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
         if not any(t.get("key") == naming.GPU_RESOURCE for t in tolerations):
             spec["tolerations"] = tolerations + [toleration]
 
-    return {
+    return security.secure_pod({
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": _metadata(job, name, naming.replica_labels(job.name, rtype, index), template.get("metadata")),
         "spec": spec,
-    }
+    })
 
 
 def desired_pods(job: TrainingJob, config: OperatorConfig) -> list[dict[str, Any]]:

@@ -48,13 +48,22 @@ def _default_resources() -> dict[str, dict[str, Any]]:
 
 
 def _default_pod_security() -> dict[str, Any]:
-    return {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+    # uid/gid 10001: the USER of images/ps and images/worker.
+    return {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
 def _default_container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]}}
+
+
+class NetworkPolicySettings(_Model):
+    # One NetworkPolicy per job: gRPC only from the job's own pods (operator/security.py).
+    enabled: bool = True
+    # NetworkPolicyPeers admitted to the metrics port (e.g. [{namespaceSelector: ...}]);
+    # empty: from anywhere. Must admit Prometheus and the operator (it reads PS metrics).
+    metrics_from: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class OperatorConfig(_Model):
@@ -66,6 +75,7 @@ class OperatorConfig(_Model):
     container_security_context: dict[str, Any] = Field(default_factory=_default_container_security)
     # With a read-only root filesystem, TensorFlow still needs a writable /tmp.
     tmp_volume: bool = True
+    network_policy: NetworkPolicySettings = Field(default_factory=NetworkPolicySettings)
     # Seconds between resyncs of a job when nothing happened (events wake it sooner).
     resync_seconds: float = Field(30.0, gt=0)
     # Seconds between reads of the PS pods' metrics for status.progress.

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 
 from tfps.runtime.spec import ReplicaType, TrainingJob
 
-from . import builders, naming, progress
+from . import builders, naming, progress, security
 from .config import OperatorConfig
 from .kube import Kube
 from .metrics import OperatorMetrics
@@ -69,6 +69,8 @@ class Controller:
 
     def _create(self, body: dict, result: Plan) -> None:
         job = TrainingJob.model_validate(body)
+        if security.creates_every_pod(job, result.create):  # the Secret must exist before any pod
+            list(self._fanout.map(self.kube.create, security.job_objects(job, self.config)))
         pods = [builders.build_pod(job, rtype, index, self.config) for rtype, index in result.create]
         service = builders.build_service(job, self.config)
         created = sum(list(self._fanout.map(self.kube.create, [service, *pods]))[1:])

@@ -42,6 +42,7 @@ class Kube:
     def __init__(self, api: client.ApiClient):
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
+        self.networking = client.NetworkingV1Api(api)
 
     def get_job(self, namespace: str, name: str) -> dict | None:
         try:
@@ -71,11 +72,16 @@ class Kube:
         return _json(resp)["items"]
 
     def create(self, body: dict) -> bool:
-        """Create a Pod or Service; False when it already exists (creating twice is harmless)."""
+        """Create a Pod, Service, Secret or NetworkPolicy; False when it already exists
+        (creating twice is harmless)."""
         namespace = body["metadata"]["namespace"]
         try:
             if body["kind"] == "Pod":
                 self.core.create_namespaced_pod(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
+            elif body["kind"] == "Secret":
+                self.core.create_namespaced_secret(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
+            elif body["kind"] == "NetworkPolicy":
+                self.networking.create_namespaced_network_policy(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
             else:
                 self.core.create_namespaced_service(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
             return True
@@ -105,7 +111,25 @@ class Kube:
         except ApiException as err:
             if err.status != 404:
                 raise
+        self._delete_security_objects(namespace, job, job_uid)
         return deleted
+
+    def _delete_security_objects(self, namespace: str, job: str, job_uid: str) -> None:
+        """The job's NetworkPolicy (if it owns it) and Secret go before the job does, so a new
+        job of the same name never finds the old ones. The operator may create and delete
+        Secrets but never read one, so the Secret goes by its name (the operator's own)."""
+        try:
+            policy = self.networking.read_namespaced_network_policy(naming.network_policy_name(job), namespace, _request_timeout=TIMEOUT)
+            if any(o.uid == job_uid for o in (policy.metadata.owner_references or [])):
+                self.networking.delete_namespaced_network_policy(policy.metadata.name, namespace, _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+        try:
+            self.core.delete_namespaced_secret(naming.auth_secret_name(job), namespace, _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status != 404:
+                raise
 
     def ensure_peering(self, name: str, namespace: str | None) -> bool:
         """Create kopf's peering object if missing (without it replicas cannot see each

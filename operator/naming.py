@@ -32,6 +32,15 @@ def service_name(job: str) -> str:
     return job
 
 
+def auth_secret_name(job: str) -> str:
+    """The job's Secret: its bearer token and TLS material (operator/security.py)."""
+    return f"{job}-tfps-auth"
+
+
+def network_policy_name(job: str) -> str:
+    return f"{job}-tfps"
+
+
 def child_pod_name(job: str, rtype: ReplicaType, index: int) -> str:
     return pod_name(job, rtype, index)
 

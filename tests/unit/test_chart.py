@@ -209,15 +209,19 @@ def test_rbac_covers_what_the_operator_touches():
         ("", "pods"): "get list watch create delete",
         ("", "services"): "get create delete",
         ("", "events"): "create",
+        ("", "secrets"): "create delete",
+        ("networking.k8s.io", "networkpolicies"): "get create delete",
         ("kopf.dev", "clusterkopfpeerings"): "get list watch patch",
         ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
     }
     for (group, res), verbs in needed.items():
         for v in verbs.split():
             assert (group, res, v) in allowed, (group, res, v)
-    # Nothing it does not use: no secrets, no writes to CRDs or peering creation (the chart
-    # creates the peering object), no pod updates.
-    assert not any(res in ("secrets", "configmaps") for _, res, _ in allowed)
+    # Nothing it does not use: it cannot read any Secret (it only creates and deletes each
+    # job's own), no configmaps, no writes to CRDs or peering creation (the chart creates the
+    # peering object), no pod updates.
+    assert {v for _, res, v in allowed if res == "secrets"} == {"create", "delete"}
+    assert not any(res == "configmaps" for _, res, _ in allowed)
     assert not {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("create", "patch", "delete")} & allowed
     assert ("kopf.dev", "clusterkopfpeerings", "create") not in allowed
     assert not {("", "pods", v) for v in ("update", "patch")} & allowed

@@ -83,6 +83,10 @@ podSecurityContext:
 containerSecurityContext:
   {{- toYaml $rt.containerSecurityContext | nindent 2 }}
 tmpVolume: {{ $rt.tmpVolume }}
+networkPolicy:
+  enabled: {{ $rt.networkPolicy.enabled }}
+  metricsFrom:
+    {{- toYaml $rt.networkPolicy.metricsFrom | nindent 4 }}
 resyncSeconds: {{ $op.resyncSeconds }}
 progressSeconds: {{ $op.progressSeconds }}
 reconcileWorkers: {{ $op.reconcileWorkers }}
@@ -148,6 +152,15 @@ reconcileWorkers: {{ $op.reconcileWorkers }}
 # Each job's headless Service.
 - apiGroups: [""]
   resources: [services]
+  verbs: [get, create, delete]
+# Each job's Secret (bearer token, TLS material): created once and deleted with the job.
+# No get/list/watch: the operator cannot read any Secret, not even the ones it made.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, delete]
+# Each job's NetworkPolicy (read before deleting, to delete only the job's own).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
   verbs: [get, create, delete]
 # Events about the jobs (kopf posts core/v1 events).
 - apiGroups: [""]
