@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export TFPS_CACHE ?= $(HOME)/.cache/tfps
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test unit integration e2e demo venv cluster-tools system-deps lint bench clean-cluster
+.PHONY: test unit integration e2e reliability demo venv cluster-tools system-deps lint bench clean-cluster
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -33,6 +33,14 @@ integration: venv system-deps cluster-tools
 
 e2e: venv system-deps cluster-tools
 	$(PY) -m pytest tests/e2e -q
+
+# Faults injected during real training runs, invalid input refused, data lost: the tests, then
+# the report (hack/reliability.py). The fault tests restart the control plane: keep this session alone.
+RELIABILITY_TESTS := tests/e2e/test_faults.py tests/integration/test_checkpoint_crash.py \
+	tests/integration/test_runtime_ps_input.py tests/integration/test_operator_validation.py
+reliability: venv system-deps cluster-tools
+	TFPS_RELIABILITY_REPORT=$(CURDIR)/.tfps/reliability.json $(PY) -m pytest $(RELIABILITY_TESTS) -q; rc=$$?; \
+	echo; $(PY) hack/reliability.py $(CURDIR)/.tfps/reliability.json; exit $$rc
 
 demo: venv system-deps cluster-tools
 	hack/demo.sh

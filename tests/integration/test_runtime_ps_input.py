@@ -1,5 +1,9 @@
 """Malformed input to a real PS over gRPC is refused with INVALID_ARGUMENT, counted in
-tfps_ps_rejected_requests_total{reason}, and leaves the parameters untouched."""
+tfps_ps_rejected_requests_total{reason}, and leaves the parameters untouched; so are oversize
+messages and a flood of bad pushes, after which the PS still serves."""
+import json
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -88,3 +92,85 @@ def test_health_service_reports_serving(cluster):
         for service in ("", wire.SERVICE):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _total_rejected(cluster) -> float:
+    registry = cluster.shards[0].metrics.registry
+    return sum(s.value for m in registry.collect() if m.name == "tfps_ps_rejected_requests"
+               for s in m.samples if s.name.endswith("_total"))
+
+
+def _assert_alive_and_unchanged(cluster, before, version):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    assert cluster.shards[0].version == version
+    after = cluster.parameters()
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _claims(header: dict, payload: bytes = b"\0" * 64, length: int | None = None) -> bytes:
+    raw = json.dumps(header).encode()
+    return (len(raw) if length is None else length).to_bytes(4, "little") + raw + payload
+
+
+def _oversize():
+    meta = {"worker": 0, "tag": 0, "pull": False}
+    kernel = (4 * 16 + 8, 64)
+    return [
+        # a header claiming a 1 TiB tensor: refused without allocating it
+        ("huge-tensor-claim", "truncated", False,
+         _claims({"meta": meta, "tensors": [["dense_0/kernel", "float32", [2 ** 20, 2 ** 18], 2 ** 40]]})),
+        # a length prefix claiming a 4 GiB header
+        ("huge-header-claim", "truncated", False, _claims({"meta": meta, "tensors": []}, length=2 ** 32 - 1)),
+        # a gradient 64 times the variable's size, streamed in 4 MiB chunks (~75 MB)
+        ("oversized-gradient-streamed", "wrong_shape", True,
+         wire.encode(meta, {"dense_0/kernel": np.zeros((kernel[0] * 64 * 64, kernel[1]), np.float32)})),
+    ]
+
+
+@pytest.mark.parametrize("reason, streamed, data", [c[1:] for c in _oversize()], ids=[c[0] for c in _oversize()])
+def test_oversize_message_is_refused(cluster, reason, streamed, data):
+    before, version = cluster.parameters(), cluster.shards[0].version
+    count = _rejected(cluster, reason)
+    with grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            if streamed:
+                wire.join(channel.stream_stream(f"/{wire.SERVICE}/StepStream")(wire.iter_chunks(data), timeout=60))
+            else:
+                channel.unary_unary(f"/{wire.SERVICE}/Step")(data, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in err.value.details()
+    assert _rejected(cluster, reason) == count + 1
+    _assert_alive_and_unchanged(cluster, before, version)
+
+
+FLOOD_REQUESTS, FLOOD_SECONDS = 2000, 10.0
+
+
+def test_flood_of_bad_pushes_is_refused_and_ps_stays_up(cluster, record_property):
+    """Up to 2000 bad pushes (or 10 s of them), 32 in flight at a time: every one is refused and
+    counted, the parameters do not move, the PS stays SERVING and still applies a good push."""
+    bad = [data for _, data in _bad_requests()]
+    before, version = cluster.parameters(), cluster.shards[0].version
+    rejected = _total_rejected(cluster)
+    codes: dict = {}
+    sent = 0
+    deadline = time.monotonic() + FLOOD_SECONDS
+    with grpc.insecure_channel(cluster.addresses[0]) as channel:
+        step = channel.unary_unary(f"/{wire.SERVICE}/Step")
+        while sent < FLOOD_REQUESTS and time.monotonic() < deadline:
+            calls = [step.future(bad[(sent + i) % len(bad)], timeout=30) for i in range(min(32, FLOOD_REQUESTS - sent))]
+            for call in calls:
+                code = call.exception().code() if call.exception() else grpc.StatusCode.OK
+                codes[code] = codes.get(code, 0) + 1
+            sent += len(calls)
+    record_property("reliability", {"count": sent})
+    assert sent >= 100, sent
+    assert codes == {grpc.StatusCode.INVALID_ARGUMENT: sent}, codes
+    assert _total_rejected(cluster) == rejected + sent
+    _assert_alive_and_unchanged(cluster, before, version)
+    test_a_good_push_is_applied(cluster)
