@@ -5,6 +5,7 @@ Used by `make demo`; reads only what any user can read (the TrainingJob's status
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -35,6 +36,7 @@ def main() -> int:
     steps = TrainingJob.model_validate(obj).spec.training.steps
     deadline = time.monotonic() + args.timeout
     phase = ""
+    rates: list[float] = []  # readings while training ran, for a summary not skewed by the end
     with Progress(
         TextColumn("[bold]{task.fields[phase]:<10}"),
         BarColumn(),
@@ -60,26 +62,28 @@ def main() -> int:
                 loss=f"{progress['loss']:.4f}" if "loss" in progress else "-",
                 eps=f"{progress['examplesPerSecond']:.0f}" if "examplesPerSecond" in progress else "-",
             )
+            if progress.get("examplesPerSecond"):
+                rates.append(progress["examplesPerSecond"])
             if phase in TERMINAL:
                 break
             time.sleep(1.0)
-    summary(console, obj)
+    summary(console, obj, rates)
     if phase != "Succeeded":
         console.print(f"[red]{args.name} ended {phase or 'without finishing'} (timeout {args.timeout:.0f} s)")
         return 1
     return 0
 
 
-def summary(console: Console, obj: dict) -> None:
+def summary(console: Console, obj: dict, rates: list[float]) -> None:
     status = obj.get("status") or {}
     progress = status.get("progress") or {}
     meta = obj["metadata"]
     table = Table(title=f"TrainingJob {meta['namespace']}/{meta['name']}", show_header=False)
     table.add_row("phase", status.get("phase", "?"))
     table.add_row("steps", str(progress.get("step", "?")))
-    for key, label, fmt in (("loss", "final loss", "{:.4f}"), ("accuracy", "test accuracy", "{:.4f}"),
-                            ("examplesPerSecond", "examples/s", "{:.0f}")):
+    for key, label, fmt in (("loss", "final loss", "{:.4f}"), ("accuracy", "test accuracy", "{:.4f}")):
         table.add_row(label, fmt.format(progress[key]) if key in progress else "n/a")
+    table.add_row("examples/s (median while training)", f"{statistics.median(rates):.0f}" if rates else "n/a")
     table.add_row("started / completed", f"{status.get('startTime', '?')} / {status.get('completionTime', '?')}")
     console.print(table)
     console.print(

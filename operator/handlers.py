@@ -175,7 +175,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         if new:
             patch.status["progress"] = new
 
-    @kopf.on.delete(**resource)
+    # optional: no finalizer, so a job (or its namespace) deleted while no operator runs is not
+    # stuck forever; owner references let the garbage collector remove the children then.
+    @kopf.on.delete(**resource, optional=True)
     async def delete_children(name: str, namespace: str, uid: str, **_: Any) -> None:
         # Owner references would do it too, but the garbage collector may take a while.
         rt.metrics.job_phase((namespace, name), None)

@@ -5,6 +5,8 @@ operator restart, gives the same answer. The handlers carry the Plan out.
 """
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -62,6 +64,29 @@ def _success(job: TrainingJob, pods: list[PodView]) -> str | None:
     if spec.success_policy is SuccessPolicy.ALL_WORKERS:
         return f"all {workers} workers completed" if all((ReplicaType.WORKER, i) in done for i in range(workers)) else None
     return "worker 0 completed" if (ReplicaType.WORKER, 0) in done else None
+
+
+def final_result(job: TrainingJob, pods: list[PodView]) -> dict[str, Any] | None:
+    """What the runtime's reporting replica (the Chief, else worker 0) left in its termination
+    message: the final step, loss and test accuracy. None when it left nothing readable."""
+    rtype = ReplicaType.CHIEF if job.spec.replicas(ReplicaType.CHIEF) > 0 else ReplicaType.WORKER
+    pod = next((p for p in pods if p.rtype is rtype and p.index == 0 and p.phase == "Succeeded"), None)
+    try:
+        message = json.loads(pod.message) if pod and pod.message else None
+    except ValueError:
+        return None
+    if not isinstance(message, dict):
+        return None
+    fields = {"steps": "step", "loss": "loss", "accuracy": "accuracy"}
+    return {ours: message[theirs] for theirs, ours in fields.items() if isinstance(message.get(theirs), (int, float))}
+
+
+def _record_result(plan: Plan, job: TrainingJob, pods: list[PodView], progress: dict[str, Any]) -> None:
+    """On success, the final figures replace the last metrics reading, which the progress timer
+    may have taken a few seconds before the end."""
+    result = final_result(job, pods)
+    if result:
+        plan.status["progress"] = {**progress, **result}
 
 
 def _count_in_place_restarts(status: dict, pods: list[PodView]) -> tuple[int, dict[str, str], list[PodView]]:
@@ -191,6 +216,7 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Pla
 
     done = _success(job, views)
     if done:
+        _record_result(result, job, views, old.get("progress") or {})
         _finish(result, job, views, SUCCEEDED, "TrainingJobSucceeded", f"TrainingJob {job.name} succeeded: {done}", now)
         return result
 

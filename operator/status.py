@@ -41,6 +41,7 @@ class PodView:
     exit_code: int | None
     reason: str | None
     pod_ip: str | None
+    message: str | None = None  # the main container's termination message
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> "PodView":
@@ -61,6 +62,7 @@ class PodView:
             exit_code=int(exit_code) if exit_code is not None else None,
             reason=terminated.get("reason") or status.get("reason"),
             pod_ip=status.get("podIP"),
+            message=terminated.get("message"),
         )
 
     @property

@@ -26,6 +26,7 @@ from .tfconfig import (
 )
 
 ENV_RESULT_FILE = "TFPS_RESULT_FILE"  # worker 0 writes its final JSON result here (tfps local)
+ENV_TERMINATION_LOG = "TFPS_TERMINATION_LOG"  # in a pod: where the termination message goes
 ENV_RETRY_SECONDS = "TFPS_PS_RETRY_SECONDS"  # how long workers retry an unavailable PS
 ENV_WORKER_TIMEOUT = "TFPS_WORKER_TIMEOUT_SECONDS"  # PS: silence after which a worker is not live
 ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"

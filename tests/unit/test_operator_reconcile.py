@@ -211,3 +211,30 @@ def test_deleting_pods_are_not_recreated_yet():
     pods[0]["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:00Z"
     p = _settle(body, pods)
     assert not p.create and p.status["phase"] == "Pending"
+
+
+def test_success_takes_final_figures_from_worker_0s_termination_message():
+    """The progress timer's last reading may be seconds old at the end; worker 0's own report is final."""
+    body = _body(status={"progress": {"step": 882, "loss": 0.3, "examplesPerSecond": 900.0}})
+    _settle(body, [])
+    body["status"]["progress"] = {"step": 882, "loss": 0.3, "examplesPerSecond": 900.0}
+    pods = _pods(body, j_worker_0=("Succeeded", 0, 0))
+    worker0 = next(p for p in pods if p["metadata"]["name"] == "j-worker-0")
+    worker0["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = \
+        '{"worker":0,"steps":1000,"loss":0.05,"accuracy":0.97,"export_path":null}'
+    p = reconcile.plan(body, pods, NOW)
+    assert p.status["phase"] == "Succeeded"
+    assert p.status["progress"] == {"step": 1000, "loss": 0.05, "accuracy": 0.97, "examplesPerSecond": 900.0}
+
+
+@pytest.mark.parametrize("message", [None, "", "not json", "[1, 2]", '{"steps": "many"}'])
+def test_unreadable_termination_message_leaves_progress_alone(message):
+    body = _body()
+    _settle(body, [])
+    pods = _pods(body, j_worker_0=("Succeeded", 0, 0))
+    if message is not None:
+        worker0 = next(p for p in pods if p["metadata"]["name"] == "j-worker-0")
+        worker0["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = message
+    p = reconcile.plan(body, pods, NOW)
+    assert p.status["phase"] == "Succeeded"
+    assert not p.status.get("progress")
