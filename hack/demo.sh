@@ -22,7 +22,7 @@ kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/d
 # operators that the test tiers start on the same local cluster.
 say "Installing the operator with Helm (release tfps, namespace tfps-system, serving $ns)"
 helm upgrade --install tfps charts/tfps --namespace tfps-system --create-namespace \
-  --set "operator.watchNamespaces={$ns}" --wait --timeout 5m
+  --set "operator.watchNamespaces={$ns}" --set operator.progressSeconds=2 --wait --timeout 5m
 kubectl -n tfps-system get pods -l app.kubernetes.io/name=tfps
 
 say "Applying $job_file in namespace $ns"

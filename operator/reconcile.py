@@ -77,8 +77,9 @@ def final_result(job: TrainingJob, pods: list[PodView]) -> dict[str, Any] | None
         return None
     if not isinstance(message, dict):
         return None
-    fields = {"steps": "step", "loss": "loss", "accuracy": "accuracy"}
-    return {ours: message[theirs] for theirs, ours in fields.items() if isinstance(message.get(theirs), (int, float))}
+    fields = {"steps": ("step", 0), "loss": ("loss", 6), "accuracy": ("accuracy", 4)}  # digits kept, as the timer does
+    return {ours: round(message[theirs], digits) if digits else int(message[theirs])
+            for theirs, (ours, digits) in fields.items() if isinstance(message.get(theirs), (int, float))}
 
 
 def _record_result(plan: Plan, job: TrainingJob, pods: list[PodView], progress: dict[str, Any]) -> None:
