@@ -318,6 +318,11 @@ class Shard:
                         target = max(target, req.tag + 1)
                 else:
                     self._push_async(req)
+            elif (self.mode is ConsistencyMode.SYNC and req.pull and target > self.version
+                  and req.worker not in self._pushed and not self.done):
+                # It waits for a step its push never reached or that this PS lost by restarting
+                # (accumulated pushes are not checkpointed): stale, so it recomputes and pushes again.
+                stale = True
             pending = False
             if req.pull and not stale:
                 deadline = time.monotonic() + POLL_SECONDS
