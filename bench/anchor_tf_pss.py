@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -22,7 +21,6 @@ from . import mlp
 from .procs import LOOPBACK, child_env, free_port, module_cmd
 
 MODULE = "tfps.bench.anchor_tf_pss"
-log = logging.getLogger(MODULE)
 
 CHUNK_SECONDS = 0.5
 MAX_CHUNKS_IN_FLIGHT = 2  # bounds the coordinator's queue so the window ends on time

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from typing import Any, Callable
@@ -19,8 +18,6 @@ from typing import Any, Callable
 from . import report, tfps_side
 from .mlp import SHAPES, Shape
 from .procs import MeasurementError, module_cmd, run_json
-
-log = logging.getLogger("tfps.bench")
 
 QUICK = {"seconds": 3.0, "warmup_seconds": 1.0, "repeats": 1, "goodput_mib": 16.0, "raw_mib": 64}
 ANCHOR_STARTUP_S = 150.0  # allowance for starting the anchor's processes on a busy machine
@@ -143,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True) if args.json else Console()
     if not console.is_terminal:
         console.width = max(console.width, 150)  # logs and pipes: keep each row on one line
-    status = Console(stderr=True)
+    status = Console(stderr=True, log_path=False)
 
     def progress(text: str) -> None:
         status.log(text)
