@@ -32,6 +32,8 @@ INVALID_INPUT_TESTS = {
         "malformed PS request",
     "tests/integration/test_runtime_ps_input.py::test_oversize_message_is_refused":
         "oversize PS message",
+    "tests/integration/test_runtime_ps_input.py::test_stream_over_the_size_limit_is_refused":
+        "oversize PS message",
     "tests/integration/test_runtime_ps_input.py::test_flood_of_bad_pushes_is_refused_and_ps_stays_up":
         "flood of bad PS pushes",
 }

@@ -89,6 +89,7 @@ class Shard:
         self.steps = training.steps
         self.parts = {p.name: p for p in parts}
         self.worker_timeout, self.startup_grace = worker_timeout, startup_grace
+        self.max_request_bytes = wire.MAX_MESSAGE_BYTES  # streamed requests too (unary: gRPC's limit)
         self.optimizer = ShardOptimizer(training.optimizer)
         self.incarnation = secrets.token_hex(4)
         self.cond = threading.Condition()
@@ -481,7 +482,14 @@ def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
         return guarded(shard.step, request, context)
 
     def step_stream(request_iterator, context):
-        return iter(guarded(lambda data: shard.step(data, chunked=True), wire.join(request_iterator), context))
+        def joined_step(chunks) -> list[bytes]:
+            try:
+                data = wire.join(chunks, limit=shard.max_request_bytes)
+            except wire.WireError as err:
+                raise Rejected(err.reason, str(err)) from None
+            return shard.step(data, chunked=True)
+
+        return iter(guarded(joined_step, request_iterator, context))
 
     def pull_full(request: bytes, context):
         return iter(shard.pull_full())

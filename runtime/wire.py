@@ -75,8 +75,15 @@ def encode_chunks(meta: dict, tensors: dict[str, np.ndarray] | None = None, chun
     return out
 
 
-def join(chunks: Iterable[bytes]) -> bytes:
-    parts = list(chunks)
+def join(chunks: Iterable[bytes], limit: int | None = None) -> bytes:
+    """The chunks of one message, whole; WireError("oversize") as soon as they pass `limit` bytes
+    (a stream has no size limit of its own: without one, a sender could fill the memory)."""
+    parts, size = [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        if limit is not None and size > limit:
+            raise WireError("oversize", f"streamed message over the limit of {limit} bytes")
+        parts.append(chunk)
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 

@@ -174,3 +174,23 @@ def test_flood_of_bad_pushes_is_refused_and_ps_stays_up(cluster, record_property
     assert _total_rejected(cluster) == rejected + sent
     _assert_alive_and_unchanged(cluster, before, version)
     test_a_good_push_is_applied(cluster)
+
+
+def test_stream_over_the_size_limit_is_refused(cluster):
+    """A streamed Step has no gRPC size limit: the PS stops reading at its own (lowered here to
+    8 MiB, so the test need not send a GiB) and refuses the call, counted as oversize."""
+    shard = cluster.shards[0]
+    before, version = cluster.parameters(), shard.version
+    count = _rejected(cluster, "oversize")
+    limit, shard.max_request_bytes = shard.max_request_bytes, 8 << 20
+    try:
+        chunks = (b"\0" * (1 << 20) for _ in range(12))
+        with grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel:
+            with pytest.raises(grpc.RpcError) as err:
+                wire.join(channel.stream_stream(f"/{wire.SERVICE}/StepStream")(chunks, timeout=30))
+    finally:
+        shard.max_request_bytes = limit
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "oversize" in err.value.details()
+    assert _rejected(cluster, "oversize") == count + 1
+    _assert_alive_and_unchanged(cluster, before, version)
