@@ -93,3 +93,16 @@ def test_release_leaves_a_cluster_started_by_hand(tmp_path):
     hc.register_session(p, os.getpid())
     assert hc.release(p, os.getpid()) is False
     assert hc.live_sessions(p) == []
+
+
+def test_restart_needs_a_recorded_cluster(tmp_path):
+    with pytest.raises(SystemExit, match="no cluster recorded"):
+        hc.restart(hc.Paths(tmp_path), ["etcd", "kube-apiserver"])
+
+
+def test_restart_is_a_command_that_takes_components(tmp_path):
+    out = subprocess.run([sys.executable, str(Path(hc.__file__)), "--state-dir", str(tmp_path), "restart", "etcd"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "no cluster recorded" in out.stderr
+    out = subprocess.run([sys.executable, str(Path(hc.__file__)), "restart", "nonsense"], capture_output=True, text=True)
+    assert out.returncode == 2 and "invalid choice" in out.stderr
