@@ -6,6 +6,10 @@ own ParameterServerStrategy (async), tfps async and tfps sync. Ratios are taken 
 repeat (paired) and the report gives their median over repeats, next to issue 3's goals.
 Then PS push+pull goodput against raw TCP loopback, also in pairs. Every measurement runs
 in its own processes on 127.0.0.1; this process only orchestrates (no TensorFlow).
+
+Same work on every side: tfps's built-in `mlp` (parameters, initial values, synthetic
+data), plain SGD with one learning rate, no periodic checkpoints; TF's strategy splits
+large variables across its PS with MinSizePartitioner, as TF's tutorial does.
 """
 from __future__ import annotations
 
