@@ -30,13 +30,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     index = cfg.cluster.task_index
     setup_logging(cfg.job, f"ps-{index}")
+    from .auth import SecurityError, ServerSecurity
+
+    try:  # first: a PS that cannot check who calls must not start at all
+        security = ServerSecurity.from_env(cfg.training.tls)
+    except SecurityError as err:
+        log.error(json.dumps({"event": "failed", "ps": index, "detail": str(err)}))
+        return 2
     configure_threads()
     bind = args.bind or cfg.bind_address
     metrics_port = args.metrics_port or cfg.metrics_port
 
     from .metrics import Identity, PSMetrics
     from .models import load_model
-    from .auth import ServerSecurity
     from .ps import Shard, serve
     from .sharding import place
 
@@ -54,7 +60,6 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_root=cfg.training.checkpoint.path,
         worker_timeout=float(os.environ.get(ENV_WORKER_TIMEOUT, 10.0)),
     )
-    security = ServerSecurity.from_env(cfg.training.tls)  # before serving: no material, no start
     server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security)
     log.info(json.dumps({
         "event": "serving", "address": cfg.listen_address(port), "metrics_port": metrics_port, "step": shard.version,

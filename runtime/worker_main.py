@@ -30,11 +30,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     index = cfg.cluster.task_index
     setup_logging(cfg.job, f"worker-{index}")
+    from .auth import ClientSecurity, SecurityError
+
+    try:
+        security = ClientSecurity.from_env(cfg.training.tls)
+    except SecurityError as err:
+        log.error(json.dumps({"event": "failed", "worker": index, "detail": str(err)}))
+        return 2
     configure_threads()
 
     import grpc
 
-    from .auth import ClientSecurity
     from .metrics import Identity, WorkerMetrics
     from .models import load_model
     from .worker import Worker, use_gpu_memory_growth
@@ -46,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     worker = Worker(
         model, cfg.training, cfg.cluster.ps, max(1, len(cfg.cluster.workers)), index, metrics,
         retry_seconds=float(os.environ.get(ENV_RETRY_SECONDS, 300.0)),
-        security=ClientSecurity.from_env(cfg.training.tls),
+        security=security,
     )
     log.info(json.dumps({"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}))
     try:

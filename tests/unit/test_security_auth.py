@@ -61,3 +61,20 @@ def test_refusal_keeps_the_call_shape_and_health_is_open():
     assert denied is not stream and denied.request_streaming and denied.response_streaming
     health = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"")
     assert interceptor.intercept_service(lambda d: health, Details("/grpc.health.v1.Health/Check", ())) is health
+
+
+@pytest.mark.parametrize("role", ["ps", "worker"])
+def test_entry_point_refuses_to_start_without_its_named_token(role, tmp_path):
+    """`tfps ps`/`tfps worker` whose token file is named but unreadable exit 2 at once, saying
+    why, instead of serving open (exits before opening any socket)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
+                                                  "task": {"type": role, "index": 0}}),
+           "TFPS_TRAINING": json.dumps({"steps": 1}), auth.ENV_AUTH_TOKEN_FILE: str(tmp_path / "missing" / "token")}
+    proc = subprocess.run([sys.executable, "-m", "tfps.cli.main", role], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot read" in proc.stderr and "token" in proc.stderr
