@@ -6,6 +6,7 @@ local` sets the same variables for its processes.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -105,3 +106,21 @@ def configure_threads() -> None:
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+
+
+def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
+    """The flags `tfps ps` and `tfps worker` share; everything else comes from the pod's env."""
+    parser.add_argument("--bind", help=bind_help)
+    parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
+
+
+def start_pod_process(command: str) -> "ProcessConfig | None":
+    """The pod's config, with logging set up to name the job and replica; None, with the reason on
+    stderr, when the environment holds none (the caller exits 2)."""
+    try:
+        cfg = ProcessConfig.from_env()
+    except ValueError as err:
+        print(f"tfps {command}: {err}", file=sys.stderr)
+        return None
+    setup_logging(cfg.job, f"{command}-{cfg.cluster.task_index}")
+    return cfg

@@ -9,27 +9,22 @@ import json
 import logging
 import os
 import signal
-import sys
 import threading
 
-from .process import ENV_WORKER_TIMEOUT, ProcessConfig, configure_threads, setup_logging
+from .process import ENV_WORKER_TIMEOUT, add_pod_arguments, configure_threads, start_pod_process
 
 log = logging.getLogger("tfps.ps")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bind", help="address to listen on (default: $TFPS_BIND_ADDRESS)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
+    add_pod_arguments(parser, "address to listen on (default: $TFPS_BIND_ADDRESS)")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = ProcessConfig.from_env()
-    except ValueError as err:
-        print(f"tfps ps: {err}", file=sys.stderr)
+    cfg = start_pod_process("ps")
+    if cfg is None:
         return 2
     index = cfg.cluster.task_index
-    setup_logging(cfg.job, f"ps-{index}")
     from .auth import SecurityError, ServerSecurity
 
     try:  # first: a PS that cannot check who calls must not start at all

@@ -10,26 +10,21 @@ import argparse
 import json
 import logging
 import os
-import sys
 
-from .process import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ENV_TERMINATION_LOG, ProcessConfig, configure_threads, setup_logging
+from .process import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ENV_TERMINATION_LOG, add_pod_arguments, configure_threads, start_pod_process
 
 log = logging.getLogger("tfps.worker")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bind", help="address for the metrics server (default: $TFPS_BIND_ADDRESS)")
-    parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
+    add_pod_arguments(parser, "address for the metrics server (default: $TFPS_BIND_ADDRESS)")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        cfg = ProcessConfig.from_env()
-    except ValueError as err:
-        print(f"tfps worker: {err}", file=sys.stderr)
+    cfg = start_pod_process("worker")
+    if cfg is None:
         return 2
     index = cfg.cluster.task_index
-    setup_logging(cfg.job, f"worker-{index}")
     from .auth import ClientSecurity, SecurityError
 
     try:
