@@ -130,6 +130,18 @@ def _container(job: TrainingJob, rtype: ReplicaType, index: int, config: Operato
     return c
 
 
+def _quantities_as_strings(container: dict[str, Any]) -> dict[str, Any]:
+    """`nvidia.com/gpu: 1` is how users write limits (and valid for the API server), but the
+    kubernetes client only takes quantities as strings."""
+    resources = container.get("resources")
+    if not resources:
+        return container
+    fixed = {kind: {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                    for k, v in (resources.get(kind) or {}).items()}
+             for kind in ("limits", "requests") if kind in resources}
+    return {**container, "resources": {**resources, **fixed}}
+
+
 def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig) -> dict[str, Any]:
     """Pod `<job>-<type>-<index>`: the user's template with the operator's parts filled in."""
     replica = job.spec.replica_specs[rtype]
@@ -143,7 +155,9 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
     containers = [tf_container if c is main else c for c in containers] if main else [tf_container, *containers]
 
     spec: dict[str, Any] = {**user_spec}
-    spec["containers"] = containers
+    spec["containers"] = [_quantities_as_strings(c) for c in containers]
+    if spec.get("initContainers"):
+        spec["initContainers"] = [_quantities_as_strings(c) for c in spec["initContainers"]]
     spec["hostname"] = name
     spec["subdomain"] = naming.service_name(job.name)
     spec["restartPolicy"] = POD_RESTART_POLICY[replica.restart_policy]

@@ -68,10 +68,13 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float)
             waiter.cancel()
 
 
-def _pod_state(pod: kopf.Body) -> tuple[str, bool, int]:
+def _pod_state(pod: kopf.Body) -> tuple[str, bool, int, bool]:
+    """What of a pod can change a job's status: phase, deletion, restarts, unschedulable."""
     status = pod.get("status") or {}
     restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
-    return status.get("phase") or "Pending", bool(pod.get("metadata", {}).get("deletionTimestamp")), restarts
+    unschedulable = any(c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
+                        for c in status.get("conditions") or [])
+    return status.get("phase") or "Pending", bool(pod.get("metadata", {}).get("deletionTimestamp")), restarts, unschedulable
 
 
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
@@ -161,7 +164,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             state = _pod_state(body)
             before = rt.pod_state.get(uid)
             rt.pod_state[uid] = state
-            if state == before or (before is None and state == ("Pending", False, 0)):
+            if state == before or (before is None and state == ("Pending", False, 0, False)):
                 return
         rt.wake_job(namespace, labels[naming.LABEL_JOB])
 

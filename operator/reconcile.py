@@ -90,6 +90,22 @@ def _record_result(plan: Plan, job: TrainingJob, pods: list[PodView], progress: 
         plan.status["progress"] = {**progress, **result}
 
 
+def _explain_unschedulable(plan: Plan, conds: list[dict], pods: list[PodView], now: datetime) -> list[dict]:
+    """A pod no node can take (e.g. more nvidia.com/gpu than any node has) leaves the job waiting:
+    say so in the Running condition and an Event, instead of a silent Pending. Not a failure: a
+    cluster autoscaler may still add a node, and activeDeadlineSeconds bounds the wait."""
+    stuck = [p for p in pods if p.unschedulable and p.phase == "Pending"]
+    if not stuck:
+        return conds
+    message = "; ".join(f"pod {p.name} cannot be scheduled: {p.unschedulable}" for p in stuck[:3])
+    if len(stuck) > 3:
+        message += f" (and {len(stuck) - 3} more pods)"
+    before = get_condition(conds, RUNNING) or {}
+    if before.get("reason") != "Unschedulable":
+        plan.event(WARNING, "Unschedulable", message)
+    return set_condition(conds, RUNNING, False, "Unschedulable", message, now, list_false=True)
+
+
 def _count_in_place_restarts(status: dict, pods: list[PodView]) -> tuple[int, dict[str, str], list[PodView]]:
     """New kubelet restarts since the last reconcile, remembered per pod uid so that a
     recreated pod or an operator restart neither loses nor double-counts one."""
@@ -284,6 +300,8 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Pla
         phase = RUNNING  # e.g. workers being added by a scale-up
     else:
         phase = PENDING
+    if phase in (PENDING, RESTARTING):
+        conds = _explain_unschedulable(result, conds, live, now)
     if phase != old.get("phase") and phase in (RUNNING, RESTARTING):
         cond = get_condition(conds, phase) or {}
         result.event(NORMAL if phase == RUNNING else WARNING, phase, cond.get("message", phase))

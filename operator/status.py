@@ -42,6 +42,7 @@ class PodView:
     reason: str | None
     pod_ip: str | None
     message: str | None = None  # the main container's termination message
+    unschedulable: str | None = None  # the scheduler's reason while it cannot place the pod
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> "PodView":
@@ -63,6 +64,9 @@ class PodView:
             reason=terminated.get("reason") or status.get("reason"),
             pod_ip=status.get("podIP"),
             message=terminated.get("message"),
+            unschedulable=next((c.get("message") or "no node fits" for c in status.get("conditions") or []
+                                if c.get("type") == "PodScheduled" and c.get("status") == "False"
+                                and c.get("reason") == "Unschedulable"), None),
         )
 
     @property
@@ -112,12 +116,14 @@ def condition_true(conditions: list[dict], ctype: str) -> bool:
     return bool(cond and cond.get("status") == "True")
 
 
-def set_condition(conditions: list[dict], ctype: str, true: bool, reason: str, message: str, now: datetime) -> list[dict]:
-    """Return the conditions with `ctype` set; lastTransitionTime moves only when the status flips."""
+def set_condition(conditions: list[dict], ctype: str, true: bool, reason: str, message: str, now: datetime,
+                  list_false: bool = False) -> list[dict]:
+    """Return the conditions with `ctype` set; lastTransitionTime moves only when the status flips.
+    A condition that never held is not listed, unless `list_false` (it explains a wait)."""
     status = "True" if true else "False"
     old = get_condition(conditions, ctype)
-    if old is None and not true:
-        return conditions  # a condition that never held is not listed
+    if old is None and not true and not list_false:
+        return conditions
     if old and old.get("status") == status and old.get("reason") == reason and old.get("message") == message:
         return conditions
     new = {"type": ctype, "status": status, "reason": reason, "message": message, "lastUpdateTime": timestamp(now),

@@ -79,3 +79,4 @@ def test_example_trains_to_succeeded(cluster, namespace, release, example):
                              f"involvedObject.name={job.name}", "-o", "yaml").stdout
     reasons = {e["reason"] for e in yaml.safe_load(events)["items"]}
     assert reasons, "the operator recorded no Event for the job"
+

@@ -72,7 +72,7 @@ def test_user_template_wins_and_gpu_gets_a_toleration():
     pod = builders.build_pod(job, ReplicaType.WORKER, 0, OperatorConfig())
     tf, sidecar = pod["spec"]["containers"]
     assert tf["image"] == "me/tf:1" and sidecar == {"name": "sidecar", "image": "busybox"}
-    assert tf["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    assert tf["resources"] == {"limits": {"nvidia.com/gpu": "2"}}  # as the kubernetes client takes quantities
     assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["spec"]["nodeSelector"] == {"gpu": "a100"}
     assert pod["metadata"]["labels"]["team"] == "ml" and pod["metadata"]["annotations"] == {"a": "b"}

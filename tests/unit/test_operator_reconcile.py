@@ -238,3 +238,26 @@ def test_unreadable_termination_message_leaves_progress_alone(message):
     p = reconcile.plan(body, pods, NOW)
     assert p.status["phase"] == "Succeeded"
     assert not p.status.get("progress")
+
+
+def test_unschedulable_pod_is_explained_not_silently_pending():
+    body = _body()
+    _settle(body, [])
+    pods = _pods(body, phase="Pending")
+    for pod in pods:
+        if pod["metadata"]["name"] == "j-worker-3":
+            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                            "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}]
+    p = _settle(body, pods)
+    assert p.status["phase"] == "Pending"
+    running = next(c for c in p.status["conditions"] if c["type"] == "Running")
+    assert running["status"] == "False" and running["reason"] == "Unschedulable"
+    assert "j-worker-3" in running["message"] and "Insufficient nvidia.com/gpu" in running["message"]
+    assert [e for e in p.events if e[1] == "Unschedulable"]
+    again = _settle(body, pods)  # still stuck: no second Event, no status change
+    assert not [e for e in again.events if e[1] == "Unschedulable"]
+    assert again.status["conditions"] == p.status["conditions"]
+    for pod in pods:
+        pod["status"] = {**pod["status"], "phase": "Running", "conditions": []}
+    running = next(c for c in _settle(body, pods).status["conditions"] if c["type"] == "Running")
+    assert running["status"] == "True"
