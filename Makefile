@@ -3,6 +3,9 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 export TFPS_CACHE ?= $(HOME)/.cache/tfps
+# The repository's operator/ folder (package tfps.operator) would shadow the standard library's
+# `operator` for `python -m`/`-c` run from the repository root: keep the cwd off sys.path.
+export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
 .PHONY: test unit integration e2e reliability demo venv cluster-tools system-deps lint bench clean-cluster

@@ -3,6 +3,7 @@
 # installed by Helm, examples/digits.yaml trained to Succeeded, and a summary of its metrics.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONSAFEPATH=1  # the repository's operator/ folder must not shadow the stdlib's `operator`
 py=.venv/bin/python
 ns=${TFPS_DEMO_NAMESPACE:-tfps-demo}
 job_file=${TFPS_DEMO_JOB:-examples/digits.yaml}
