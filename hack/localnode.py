@@ -413,11 +413,12 @@ TERMINATION_MESSAGE_BYTES = 4096
 
 LAUNCHER = r'''
 set -e
-exitfile=$1; workdir=$2; podhost=$3; poddir=$4; shift 4
+exitfile=$1; workdir=$2; podhost=$3; poddir=$4; codedir=$5; shift 5
 exec 9>"$exitfile"
 case "$workdir" in default:*) cd "${workdir#default:}" ;; esac
-mkdir -p /run/tfps-pod
+mkdir -p /run/tfps-pod /run/tfps-code
 mount --bind "$poddir" /run/tfps-pod
+mount --bind "$codedir" /run/tfps-code
 while [ "$1" != "--" ]; do
   src=$1; dst=$2; mode=$3; shift 3
   case "$src" in "$poddir"/*) src="/run/tfps-pod/${src#"$poddir"/}" ;; esac
@@ -426,6 +427,12 @@ while [ "$1" != "--" ]; do
   if [ "$mode" = ro ]; then mount -o remount,bind,ro "$dst"; fi
 done
 shift
+# A volume over the folder that holds tfps and its venv (an emptyDir at /tmp while the checkout
+# lives under /tmp) would hide the program the pod runs: put that folder back on top.
+if [ "$(stat -c %d:%i "$codedir" 2>/dev/null)" != "$(stat -c %d:%i /run/tfps-code)" ]; then
+  mkdir -p "$codedir"
+  mount --bind /run/tfps-code "$codedir"
+fi
 hostname "$podhost" 2>/dev/null || true
 case "$workdir" in default:*) ;; *) mkdir -p "$workdir"; cd "$workdir" ;; esac
 set +e
@@ -1250,7 +1257,7 @@ class PodWorker(threading.Thread):
         (c.rundir / "exit").unlink(missing_ok=True)
         (c.rundir / "termination-log").write_bytes(b"")
         cmd = ["unshare", "--mount", "--uts", "--propagation", "private", "/bin/sh", "-c", LAUNCHER, "launcher",
-               str(c.rundir / "exit"), workdir, pod_hostname(self.pod)[:63], str(self.dir), *self.mount_args(c),
+               str(c.rundir / "exit"), workdir, pod_hostname(self.pod)[:63], str(self.dir), str(REPO), *self.mount_args(c),
                "--", *argv]
         with open(self.logdir / f"{c.name}.log", "ab") as out:
             c.popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

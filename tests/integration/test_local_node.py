@@ -417,6 +417,20 @@ def test_volume_over_the_nodes_state_folder(cluster, namespace):
     assert f"hosts {p.status.pod_ip} token True hidden []" in log
 
 
+def test_volume_over_the_checkout_keeps_the_program_visible(cluster, namespace):
+    """A volume over the folder that holds the checkout and its venv (the chart's emptyDir at
+    /tmp while CI clones under /tmp) must not hide `tfps`/`python` from the pod."""
+    repo = Path(__file__).resolve().parents[2]
+    code = "import sys, tfps.runtime; print('ran', sys.executable)"
+    body = pod("covered-code", code, volumes=[{"name": "cover", "emptyDir": {}}],
+               container={"volumeMounts": [{"name": "cover", "mountPath": str(repo.parent)}]})
+    core(cluster).create_namespaced_pod(namespace, body)
+    p = cluster.wait_pod(namespace, "covered-code", phase_is("Succeeded", "Failed"), what="a final phase")
+    log = cluster.pod_log(namespace, "covered-code")
+    assert p.status.phase == "Succeeded", log
+    assert "ran " in log
+
+
 def test_init_containers_run_first_in_order(cluster, namespace):
     def init(name, code):
         return {"name": name, "image": "tfps/worker:test", "command": ["python", "-c", code],
