@@ -104,27 +104,29 @@ class Kube:
         names = [pod["metadata"]["name"] for pod in self.list_pods(namespace, job)
                  if any(o.get("uid") == job_uid for o in pod["metadata"].get("ownerReferences") or [])]
         deleted = sum(map_(lambda n: self.delete_pod(namespace, n), names))
+        self._delete_if_owned(self.core.read_namespaced_service, self.core.delete_namespaced_service,
+                              naming.service_name(job), namespace, job_uid)
+        self._delete_security_objects(namespace, job, job_uid)
+        return deleted
+
+    @staticmethod
+    def _delete_if_owned(read, delete, name: str, namespace: str, job_uid: str) -> None:
+        """Delete one object only when the job owns it; already gone is fine."""
         try:
-            svc = self.core.read_namespaced_service(naming.service_name(job), namespace, _request_timeout=TIMEOUT)
-            if any(o.uid == job_uid for o in (svc.metadata.owner_references or [])):
-                self.core.delete_namespaced_service(svc.metadata.name, namespace, _request_timeout=TIMEOUT)
+            obj = read(name, namespace, _request_timeout=TIMEOUT)
+            if any(o.uid == job_uid for o in (obj.metadata.owner_references or [])):
+                delete(name, namespace, _request_timeout=TIMEOUT)
         except ApiException as err:
             if err.status != 404:
                 raise
-        self._delete_security_objects(namespace, job, job_uid)
-        return deleted
 
     def _delete_security_objects(self, namespace: str, job: str, job_uid: str) -> None:
         """The job's NetworkPolicy (if it owns it) and Secret go before the job does, so a new
         job of the same name never finds the old ones. The operator may create and delete
         Secrets but never read one, so the Secret goes by its name (the operator's own)."""
-        try:
-            policy = self.networking.read_namespaced_network_policy(naming.network_policy_name(job), namespace, _request_timeout=TIMEOUT)
-            if any(o.uid == job_uid for o in (policy.metadata.owner_references or [])):
-                self.networking.delete_namespaced_network_policy(policy.metadata.name, namespace, _request_timeout=TIMEOUT)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+        self._delete_if_owned(self.networking.read_namespaced_network_policy,
+                              self.networking.delete_namespaced_network_policy,
+                              naming.network_policy_name(job), namespace, job_uid)
         try:
             self.core.delete_namespaced_secret(naming.auth_secret_name(job), namespace, _request_timeout=TIMEOUT)
         except ApiException as err:
