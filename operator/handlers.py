@@ -105,7 +105,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         settings.watching.connect_timeout = 10
-        # Sync handlers (none are long) share the reconcile thread budget.
+        # For the few sync handlers left (login, startup).
         settings.execution.max_workers = rt.config.reconcile_workers
         # A hung API call must not stall a job's loop forever.
         settings.networking.request_timeout = 60
@@ -147,15 +147,17 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             if rt.wake.get(key) is wake:
                 del rt.wake[key]
 
+    # The event handlers are coroutines: they only look at the event and set an asyncio.Event,
+    # which must happen on the loop (a sync handler would run in a thread, once per pod event).
     @kopf.on.event(**resource)
-    def job_event(name: str, namespace: str, meta: kopf.Meta, **_: Any) -> None:
+    async def job_event(name: str, namespace: str, meta: kopf.Meta, **_: Any) -> None:
         # Spec changes (scale, suspend) bump the generation; our own status writes do not.
         if meta.get("generation") != rt.seen_generation.get((namespace, name)):
             rt.wake_job(namespace, name)
 
     @kopf.on.event("", "v1", "pods", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY, naming.LABEL_JOB: kopf.PRESENT},
                    registry=registry)
-    def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
+    async def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
         # Only changes a decision can depend on wake the job (not the scheduler's conditions,
         # not the ADDED of a pending pod the job's own pass just created).
         if type == "DELETED":

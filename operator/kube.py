@@ -38,6 +38,13 @@ def _json(resp) -> Any:
     return json.loads(resp.data)
 
 
+def _done(resp) -> None:
+    """Read a raw (`_preload_content=False`) response to its end: only then does its
+    connection go back to the pool; an unread one costs a new TLS connection per call."""
+    resp.drain_conn()
+    resp.release_conn()
+
+
 class Kube:
     def __init__(self, api: client.ApiClient):
         self.core = client.CoreV1Api(api)
@@ -76,14 +83,10 @@ class Kube:
         (creating twice is harmless)."""
         namespace = body["metadata"]["namespace"]
         try:
-            if body["kind"] == "Pod":
-                self.core.create_namespaced_pod(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
-            elif body["kind"] == "Secret":
-                self.core.create_namespaced_secret(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
-            elif body["kind"] == "NetworkPolicy":
-                self.networking.create_namespaced_network_policy(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
-            else:
-                self.core.create_namespaced_service(namespace, body, _preload_content=False, _request_timeout=TIMEOUT)
+            create = {"Pod": self.core.create_namespaced_pod, "Secret": self.core.create_namespaced_secret,
+                      "NetworkPolicy": self.networking.create_namespaced_network_policy,
+                      "Service": self.core.create_namespaced_service}[body["kind"]]
+            _done(create(namespace, body, _preload_content=False, _request_timeout=TIMEOUT))
             return True
         except ApiException as err:
             if err.status == 409:
@@ -92,7 +95,8 @@ class Kube:
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         try:
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds, _preload_content=False, _request_timeout=TIMEOUT)
+            _done(self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds,
+                                                  _preload_content=False, _request_timeout=TIMEOUT))
             return True
         except ApiException as err:
             if err.status == 404:
