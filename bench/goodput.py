@@ -8,7 +8,10 @@ on 127.0.0.1 and then, per repeat, measures back to back:
 - tfps: the worker's Step call through the runtime's client (`ShardClient.step`, chunked
   stream as the worker uses it for large shards), each pushing a whole model's gradients
   and pulling the whole model back. Goodput counts the tensor bytes pushed plus pulled.
-It prints one JSON line with the MiB/s of each pair.
+- grpcio alone: the same bytes in the same chunks to an echo server in its own process
+  that does nothing else (`--echo-server`): what gRPC's Python stack allows at best, so
+  the report can tell the transport's share of the gap from tfps's.
+It prints one JSON line with the MiB/s of each.
 """
 from __future__ import annotations
 
@@ -73,6 +76,67 @@ def raw_tcp_mib_per_second(total_mib: int) -> float:
     if received[0] != total:
         raise RuntimeError(f"raw TCP: received {received[0]} of {total} bytes")
     return total / MIB / elapsed
+
+
+def echo_server(port_file: str, mib: float) -> None:
+    """A bare grpcio server: a stream call that reads every chunk and answers with as many
+    bytes, in CHUNK_BYTES chunks. Writes its port to `port_file`, serves until killed."""
+    from concurrent import futures
+
+    import grpc
+
+    from tfps.runtime import wire
+    from tfps.runtime.malloc import keep_large_buffers
+
+    keep_large_buffers()  # as the PS does
+    reply = bytes(int(mib * MIB))
+    chunks = [reply[i:i + wire.CHUNK_BYTES] for i in range(0, len(reply), wire.CHUNK_BYTES)]
+
+    def echo(request_iterator, context):
+        wire.join(request_iterator)
+        return iter(chunks)
+
+    handler = grpc.method_handlers_generic_handler("echo", {"Echo": grpc.stream_stream_rpc_method_handler(echo)})
+    server = grpc.server(futures.ThreadPoolExecutor(4), options=wire.GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(f"{LOOPBACK}:0")
+    server.start()
+    with open(port_file, "w") as fh:
+        fh.write(str(port))
+    server.wait_for_termination()
+
+
+def grpc_echo_mib_per_second(mib: float, seconds: float) -> float:
+    """Push and pull `mib` MiB per call through bare grpcio, as tfps's chunked Step does."""
+    import grpc
+
+    from tfps.runtime import wire
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port_file = os.path.join(tmp, "port")
+        proc = subprocess.Popen(
+            module_cmd("tfps.bench.goodput", "--echo-server", port_file, "--mib", str(mib)), env=child_env(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(port_file) or not open(port_file).read():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the grpcio echo server did not start")
+                time.sleep(0.1)
+            address = f"{LOOPBACK}:{open(port_file).read()}"
+            payload = bytes(int(mib * MIB))
+            chunks = [payload[i:i + wire.CHUNK_BYTES] for i in range(0, len(payload), wire.CHUNK_BYTES)]
+            with grpc.insecure_channel(address, options=wire.GRPC_OPTIONS) as channel:
+                call = channel.stream_stream("/echo/Echo")
+                wire.join(call(iter(chunks)))  # warm-up
+                moved, calls, start = 0, 0, time.perf_counter()
+                while time.perf_counter() - start < seconds or calls < 2:
+                    moved += len(payload) + len(wire.join(call(iter(chunks))))
+                    calls += 1
+                return moved / MIB / (time.perf_counter() - start)
+        finally:
+            kill_group(proc)
 
 
 def _training(model_args: dict) -> dict:
@@ -164,9 +228,11 @@ def measure(args: argparse.Namespace) -> dict:
         for _ in range(args.repeats):
             raw = raw_tcp_mib_per_second(args.raw_mib)
             ours = tfps_mib_per_second(address, model_args, args.seconds)
-            pairs.append(
-                {"raw_tcp": raw, "tfps": ours["mib_per_second"], "tfps_calls": ours["calls"], "model_mib": ours["model_mib"]}
-            )
+            bare = grpc_echo_mib_per_second(ours["model_mib"], args.seconds)
+            pairs.append({
+                "raw_tcp": raw, "tfps": ours["mib_per_second"], "grpc_echo": bare,
+                "tfps_calls": ours["calls"], "model_mib": ours["model_mib"],
+            })  # fmt: skip
     finally:
         kill_group(proc)
     return {"system": "goodput", "pairs": pairs, "model_args": model_args, "raw_mib": args.raw_mib}
@@ -178,8 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw-mib", type=int, default=256, help="raw TCP: MiB sent per measurement")
     parser.add_argument("--seconds", type=float, default=10.0, help="tfps: timed push+pull window per repeat")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--echo-server", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.echo_server:
+        echo_server(args.echo_server, args.mib)
+        return 0
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from tfps.runtime.malloc import keep_large_buffers
+
+    keep_large_buffers()  # as a worker does
     print(json.dumps(measure(args)), flush=True)
     return 0
 

@@ -2,7 +2,8 @@
 
 For each shape (issue 3: the 670k MLP with 2 workers × 1 PS, the 5.8M MLP with 2 workers ×
 2 PS, batch 128) each repeat measures, back to back: the compute-only ceiling, TensorFlow's
-own ParameterServerStrategy (async), tfps async and tfps sync. Ratios are taken within a
+own ParameterServerStrategy (async), tfps async and tfps sync, and tfps async with
+bfloat16 on the wire (spec.training.wireDtype). Ratios are taken within a
 repeat (paired) and the report gives their median over repeats, next to issue 3's goals.
 Then PS push+pull goodput against raw TCP loopback, also in pairs. Every measurement runs
 in its own processes on 127.0.0.1; this process only orchestrates (no TensorFlow).
@@ -23,6 +24,8 @@ from . import report, tfps_side
 from .mlp import SHAPES, Shape
 from .procs import MeasurementError, module_cmd, run_json
 
+# tfps's runs in each repeat: (consistency mode, spec.training.wireDtype)
+TFPS_RUNS = (("async", "float32"), ("sync", "float32"), ("async", "bfloat16"))
 QUICK = {"seconds": 3.0, "warmup_seconds": 1.0, "repeats": 1, "goodput_mib": 16.0, "raw_mib": 64}
 ANCHOR_STARTUP_S = 150.0  # allowance for starting the anchor's processes on a busy machine
 
@@ -90,18 +93,19 @@ def measure_shape_once(
 
     attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg))
     attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
-    for mode in ("async", "sync"):
+    for mode, wire_dtype in TFPS_RUNS:
+        key = tfps_side.system_key(mode, wire_dtype)
         # Size the run from the last tfps rate of this kind (else TF's): about `seconds`
         # of steady state plus the warm-up that tfps local excludes.
-        rate = hints.get(mode) or row.get("tf_pss") or row.get("ceiling") or 1000.0
+        rate = hints.get(key) or row.get("tf_pss") or row.get("ceiling") or 1000.0
         examples = rate * (cfg["seconds"] + cfg["warmup_seconds"]) * 1.15
 
-        def run_tfps(mode=mode, rate=rate, examples=examples) -> dict:
-            return tfps_side.measure(shape, mode, examples, rate, cfg["learning_rate"])
+        def run_tfps(mode=mode, rate=rate, examples=examples, wire_dtype=wire_dtype) -> dict:
+            return tfps_side.measure(shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype)
 
-        attempt(f"tfps_{mode}", run_tfps)
-        if row.get(f"tfps_{mode}"):
-            hints[mode] = row[f"tfps_{mode}"]
+        attempt(key, run_tfps)
+        if row.get(key):
+            hints[key] = row[key]
     return row, errors
 
 

@@ -15,10 +15,12 @@ SYSTEMS: dict[str, str] = {
     "tf_pss": "TF strategy (async)",
     "tfps_async": "tfps async",
     "tfps_sync": "tfps sync",
+    "tfps_async_bf16": "tfps async, bf16 wire",
 }
 LEGEND = (
     "TF strategy = tf.distribute ParameterServerStrategy with ClusterCoordinator; ceiling = the same "
-    "number of worker processes computing gradients with no PS at all."
+    "number of worker processes computing gradients with no PS at all; bf16 wire = "
+    "spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
 )
 
 
@@ -37,6 +39,9 @@ RATIOS: tuple[RatioDef, ...] = (
     RatioDef("sync_vs_tf", "tfps_sync", "tf_pss", "tfps sync / TF strategy", {"670k": 1.0}),
     RatioDef("async_vs_ceiling", "tfps_async", "ceiling", "tfps async / ceiling", {"670k": 0.75, "5.8M": 0.75}),
     RatioDef("sync_vs_ceiling", "tfps_sync", "ceiling", "tfps sync / ceiling", {}),
+    # The same goals for the bfloat16 wire, an option the issue allows (compressed gradients).
+    RatioDef("async_bf16_vs_tf", "tfps_async_bf16", "tf_pss", "tfps async bf16 wire / TF strategy", {"670k": 1.6, "5.8M": 1.1}),
+    RatioDef("async_bf16_vs_ceiling", "tfps_async_bf16", "ceiling", "tfps async bf16 wire / ceiling", {"670k": 0.75, "5.8M": 0.75}),
     RatioDef("tf_vs_ceiling", "tf_pss", "ceiling", "TF strategy / ceiling", {}),
 )
 GOODPUT_GOAL = 0.4  # tfps PS push+pull goodput / raw TCP loopback
@@ -82,11 +87,17 @@ def summarize_goodput(repeats: list[dict[str, float | None]]) -> dict[str, Any]:
     """repeats: [{"raw_tcp": MiB/s, "tfps": MiB/s}, ...], each pair measured back to back."""
     values = [ratio(r.get("tfps"), r.get("raw_tcp")) for r in repeats]
     med = median(values)
-    return {
+    out = {
         "repeats": repeats,
-        "median_mib_per_second": {k: median([r.get(k) for r in repeats]) for k in ("raw_tcp", "tfps")},
+        "median_mib_per_second": {k: median([r.get(k) for r in repeats]) for k in ("raw_tcp", "tfps", "grpc_echo")},
         "ratio": {"label": "tfps PS push+pull / raw TCP", "values": values, "median": med, **verdict(med, GOODPUT_GOAL)},
     }
+    # No goal of their own: where grpcio alone stands, and how much of it tfps keeps.
+    for key, num, den, label in (("grpc_ratio", "grpc_echo", "raw_tcp", "grpcio alone (echo) / raw TCP"),
+                                 ("tfps_vs_grpc", "tfps", "grpc_echo", "tfps PS push+pull / grpcio alone")):
+        vals = [ratio(r.get(num), r.get(den)) for r in repeats]
+        out[key] = {"label": label, "values": vals, "median": median(vals), **verdict(median(vals), None)}
+    return out
 
 
 def goals_summary(report: dict[str, Any]) -> dict[str, int]:
@@ -122,7 +133,7 @@ def render(report: dict[str, Any], console) -> None:
     """Print the report as rich tables on `console`."""
     from rich.table import Table
 
-    rates = Table(title="examples/s (median of repeats; each repeat measures all four back to back)")
+    rates = Table(title="examples/s (median of repeats; each repeat measures all of them back to back)")
     rates.add_column("shape")
     rates.add_column("params", justify="right")
     rates.add_column("workers × PS", justify="center")
@@ -153,6 +164,10 @@ def render(report: dict[str, Any], console) -> None:
         label = f"{gp['ratio']['label']} ({_fmt_rate(med['tfps'])} / {_fmt_rate(med['raw_tcp'])} MiB/s)"
         per = " ".join(_fmt(v) for v in gp["ratio"]["values"])
         ratios.add_row("goodput", label, per, _fmt(gp["ratio"]["median"]), _status_markup(gp["ratio"]))
+        for key in ("grpc_ratio", "tfps_vs_grpc"):
+            if key in gp:
+                entry = gp[key]
+                ratios.add_row("goodput", entry["label"], " ".join(_fmt(v) for v in entry["values"]), _fmt(entry["median"]), "")
     console.print(ratios)
 
     for error in report.get("errors", []):

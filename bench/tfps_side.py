@@ -28,12 +28,13 @@ def steps_for(mode: str, shape: Shape, examples: float) -> int:
     return max(MIN_STEPS, math.ceil(examples / per_version))
 
 
-def manifest(shape: Shape, mode: str, steps: int, learning_rate: float = 0.01, seed: int = 0) -> dict:
+def manifest(shape: Shape, mode: str, steps: int, learning_rate: float = 0.01, seed: int = 0, wire_dtype: str = "float32") -> dict:
     """The TrainingJob that `tfps local` runs for one measurement."""
+    suffix = "" if wire_dtype == "float32" else f"-{wire_dtype}"
     return {
         "apiVersion": "tfps.io/v1alpha1",
         "kind": "TrainingJob",
-        "metadata": {"name": f"bench-{shape.name.lower().replace('.', '-')}-{mode}"},
+        "metadata": {"name": f"bench-{shape.name.lower().replace('.', '-')}-{mode}{suffix}"},
         "spec": {
             "replicaSpecs": {
                 "PS": {"replicas": shape.ps, "restartPolicy": "Never"},
@@ -47,6 +48,7 @@ def manifest(shape: Shape, mode: str, steps: int, learning_rate: float = 0.01, s
                 "batchSize": shape.batch,
                 "steps": steps,
                 "consistency": {"mode": mode},
+                "wireDtype": wire_dtype,
                 # no periodic checkpoints, as on the anchors' side (tfps local writes them by default)
                 "checkpoint": {"everySteps": NO_CHECKPOINT_STEPS},
             },
@@ -55,12 +57,13 @@ def manifest(shape: Shape, mode: str, steps: int, learning_rate: float = 0.01, s
     }
 
 
-def measure(shape: Shape, mode: str, examples: float, expected_rate: float, learning_rate: float = 0.01, seed: int = 0) -> dict:
+def measure(shape: Shape, mode: str, examples: float, expected_rate: float, learning_rate: float = 0.01, seed: int = 0,
+            wire_dtype: str = "float32") -> dict:
     """Run the manifest for about `examples` examples; `expected_rate` (examples/s) sizes the timeout."""
     steps = steps_for(mode, shape, examples)
     timeout = STARTUP_ALLOWANCE_S + 8 * examples / max(expected_rate, 1.0)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="tfps-bench-") as fh:
-        yaml.safe_dump(manifest(shape, mode, steps, learning_rate, seed), fh)
+        yaml.safe_dump(manifest(shape, mode, steps, learning_rate, seed, wire_dtype), fh)
         fh.flush()
         cmd = module_cmd("tfps.cli.main", "local", fh.name, "--json", "--no-progress")
         result = run_json(cmd, timeout, f"tfps local ({shape.name}, {mode})")
@@ -69,4 +72,9 @@ def measure(shape: Shape, mode: str, examples: float, expected_rate: float, lear
         raise MeasurementError(f"tfps local ({shape.name}, {mode}): no examples_per_second in {result}")
     if not result.get("succeeded", True):
         raise MeasurementError(f"tfps local ({shape.name}, {mode}): {result.get('reason')}")
-    return {"system": f"tfps_{mode}", **result}
+    return {"system": system_key(mode, wire_dtype), **result}
+
+
+def system_key(mode: str, wire_dtype: str = "float32") -> str:
+    """The report's key for a tfps run (report.SYSTEMS)."""
+    return f"tfps_{mode}" + ("" if wire_dtype == "float32" else "_bf16")

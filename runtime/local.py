@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import auth
-from .process import ENV_RESULT_FILE
+from .process import ENV_INTRA_OP_THREADS, ENV_RESULT_FILE
 from .spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob, load_manifest
 from .tfconfig import (
     ENV_BIND_ADDRESS,
@@ -139,6 +139,8 @@ class LocalRun:
             auth.ENV_AUTH_TOKEN_FILE: str(self.token_file),
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             "PYTHONUNBUFFERED": "1",
+            # Like torchrun's OMP_NUM_THREADS: processes sharing this machine split its cores
+            ENV_INTRA_OP_THREADS: os.environ.get(ENV_INTRA_OP_THREADS, str(max(1, (os.cpu_count() or 1) // len(self.replicas)))),
             **self.env,
         }
         if replica.rtype is ReplicaType.WORKER and replica.index == 0:

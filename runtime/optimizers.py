@@ -53,7 +53,8 @@ class ShardOptimizer:
         @tf.function
         def apply_all(grads, b1p, b2p):
             for name, grad in grads.items():
-                self._dense_op(variables[name], slots[name], grad, b1p, b2p)
+                var = variables[name]
+                self._dense_op(var, slots[name], tf.cast(grad, var.dtype), b1p, b2p)  # bfloat16 off the wire
 
         def apply(grads: dict, t: int) -> None:
             apply_all(grads, *self._adam_powers(t))

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass
 
+from .malloc import keep_large_buffers
 from .spec import TrainingSpec
 from .tfconfig import (
     ENV_BIND_ADDRESS,
@@ -30,7 +32,8 @@ ENV_RESULT_FILE = "TFPS_RESULT_FILE"  # worker 0 writes its final JSON result he
 ENV_TERMINATION_LOG = "TFPS_TERMINATION_LOG"  # in a pod: where the termination message goes
 ENV_RETRY_SECONDS = "TFPS_PS_RETRY_SECONDS"  # how long workers retry an unavailable PS
 ENV_WORKER_TIMEOUT = "TFPS_WORKER_TIMEOUT_SECONDS"  # PS: silence after which a worker is not live
-ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"
+ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"  # TensorFlow threads per pool (intra- and inter-op)
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 
 
 @dataclass(frozen=True)
@@ -100,12 +103,29 @@ def setup_logging(job: str, replica: str, level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def configure_threads() -> None:
+def cgroup_cpus(path: str = CGROUP_CPU_MAX) -> int | None:
+    """The CPUs this process may use by its cgroup's quota (a pod's CPU limit), rounded up;
+    None without a quota."""
+    try:
+        quota, period = open(path).read().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
+
+
+def configure_threads() -> int | None:
+    """Size TensorFlow's thread pools to the CPUs this process has: $TFPS_INTRA_OP_THREADS
+    (tfps local sets it when it runs several processes on one machine), else the pod's CPU
+    limit. TensorFlow would otherwise size them to every core of the node, and processes
+    sharing cores then spin against each other."""
     threads = os.environ.get(ENV_INTRA_OP_THREADS)
-    if threads:
+    count = int(threads) if threads else cgroup_cpus()
+    if count:
         import tensorflow as tf
 
-        tf.config.threading.set_intra_op_parallelism_threads(int(threads))
+        tf.config.threading.set_intra_op_parallelism_threads(count)
+        tf.config.threading.set_inter_op_parallelism_threads(count)
+    return count
 
 
 def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
@@ -123,4 +143,5 @@ def start_pod_process(command: str) -> "ProcessConfig | None":
         print(f"tfps {command}: {err}", file=sys.stderr)
         return None
     setup_logging(cfg.job, f"{command}-{cfg.cluster.task_index}")
+    keep_large_buffers()
     return cfg

@@ -46,6 +46,10 @@ from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.ps")
 
+BFLOAT16 = np.dtype(wire.DTYPES["bfloat16"])
+_BF16_EXPONENT = np.uint16(0x7F80)
+DENSE_WIRE_DTYPES = (np.dtype(np.float32), BFLOAT16)  # dense gradients may come as either
+
 
 class Rejected(wire.WireError):
     pass
@@ -91,6 +95,7 @@ class Shard:
         self.worker_timeout, self.startup_grace = worker_timeout, startup_grace
         self.max_request_bytes = wire.MAX_MESSAGE_BYTES  # streamed requests too (unary: gRPC's limit)
         self.optimizer = ShardOptimizer(training.optimizer)
+        self._wire_dtype = tf.as_dtype(training.wire_dtype.value)  # of the dense parameters it sends
         self.incarnation = secrets.token_hex(4)
         self.cond = threading.Condition()
         self.started = time.monotonic()
@@ -178,7 +183,7 @@ class Shard:
             if part is None:
                 raise Rejected("unknown_variable", f"variable {base!r} is not on PS {self.index}")
             if kind == "":
-                self._check_values(name, arr, part.shape)
+                self._check_values(name, arr, part.shape, DENSE_WIRE_DTYPES)
                 if part.sparse:
                     raise Rejected("wrong_shape", f"{name!r} is an embedding table: push rows (indices, values)")
                 req.dense[name] = arr
@@ -206,14 +211,12 @@ class Shard:
         return req
 
     @staticmethod
-    def _check_values(name: str, arr: np.ndarray, shape: tuple) -> None:
-        if arr.dtype != np.float32:
-            raise Rejected("wrong_dtype", f"{name!r}: expected float32, got {arr.dtype}")
+    def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = (np.float32,)) -> None:
+        if arr.dtype not in dtypes:
+            raise Rejected("wrong_dtype", f"{name!r}: expected {' or '.join(np.dtype(d).name for d in dtypes)}, got {arr.dtype}")
         if tuple(arr.shape) != tuple(shape):
             raise Rejected("wrong_shape", f"{name!r}: expected shape {list(shape)}, got {list(arr.shape)}")
-        # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a
-        # broken gradient), at a fraction of the cost of an elementwise check.
-        if arr.size and not math.isfinite(float(arr.sum())):
+        if arr.size and not _finite(arr):
             raise Rejected("non_finite", f"{name!r}: gradient contains NaN or Inf")
 
     # ---- the update ----
@@ -355,7 +358,7 @@ class Shard:
             if req.pull and not pending:
                 for name, var in self.vars.items():
                     if req.want_dense and not self.parts[name].sparse:
-                        tensors[name] = var.read_value()
+                        tensors[name] = var.read_value() if self._wire_dtype == tf.float32 else tf.cast(var, self._wire_dtype)
                 for name, idx in req.rows.items():
                     tensors[f"{name}:rows"] = tf.raw_ops.ResourceGather(resource=self.vars[name].handle, indices=idx, dtype=tf.float32)
         # Serialise outside the lock: the tensors read above are snapshots (TF copies a
@@ -463,6 +466,16 @@ class Shard:
 
     def close(self) -> None:
         self._ckpt_pool.shutdown(wait=True)
+
+
+def _finite(arr: np.ndarray) -> bool:
+    """No NaN or Inf in `arr` (float32 or bfloat16)."""
+    if arr.dtype == BFLOAT16:
+        # NaN and Inf are the values whose 8 exponent bits are all set
+        return not np.any((arr.view(np.uint16) & _BF16_EXPONENT) == _BF16_EXPONENT)
+    # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a broken
+    # gradient), at a fraction of the cost of an elementwise check.
+    return math.isfinite(float(arr.sum()))
 
 
 def _size(out: bytes | list[bytes]) -> int:

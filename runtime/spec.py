@@ -59,6 +59,11 @@ class OptimizerName(str, Enum):
     ADAGRAD = "adagrad"
 
 
+class WireDtype(str, Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
 class CleanPodPolicy(str, Enum):
     RUNNING = "Running"
     ALL = "All"
@@ -107,6 +112,7 @@ class TrainingSpec(_Model):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     export_path: str | None = None  # SavedModel of the final parameters, written on success
     tls: bool = False  # workers reach the PS over TLS with the job's certificate (runtime/auth.py)
+    wire_dtype: WireDtype = WireDtype.FLOAT32  # dense tensors on the wire; the PS keeps float32
 
 
 class RunPolicy(_Model):

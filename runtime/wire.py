@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+import ml_dtypes
 import numpy as np
 
 CHUNK_BYTES = 4 << 20
@@ -27,7 +28,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
 ]
-DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "float16": np.float16}
+DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 class WireError(ValueError):
@@ -49,7 +50,7 @@ def _pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
         entries.append([name, arr.dtype.name, list(arr.shape), arr.nbytes])
-        bufs.append(memoryview(arr).cast("B"))
+        bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too
     header = json.dumps({"meta": meta, "tensors": entries}, separators=(",", ":")).encode()
     return [_LEN.pack(len(header)), header, *bufs]
 

@@ -24,7 +24,7 @@ from .client import ShardClient
 from .metrics import WorkerMetrics
 from .models import BatchSource, ModelDef
 from .sharding import Plan, place, route_rows
-from .spec import ConsistencyMode, TrainingSpec
+from .spec import ConsistencyMode, TrainingSpec, WireDtype
 
 log = logging.getLogger("tfps.worker")
 
@@ -44,14 +44,20 @@ def loss_fn(kind: str, logits, y):
     return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.reshape(tf.cast(y, logits.dtype), tf.shape(logits)), logits=logits))
 
 
-def make_grad_fn(model: ModelDef):
+def make_grad_fn(model: ModelDef, wire_dtype: WireDtype = WireDtype.FLOAT32):
+    """`grad_fn(params, x, y) -> (loss, grads)`. Computes in float32 whatever precision the
+    parameters came in; dense gradients leave in `wire_dtype` (embedding rows in float32)."""
+    out_dtype = tf.as_dtype(wire_dtype.value)
+    sparse = {p.name for p in model.sparse_params}
+
     @tf.function(reduce_retracing=True)
     def grad_fn(params, x, y):
+        params = {k: tf.cast(v, tf.float32) for k, v in params.items()}
         with tf.GradientTape() as tape:
             tape.watch(params)
             loss = loss_fn(model.loss, model.forward(params, x), y)
         grads = tape.gradient(loss, params)
-        return loss, {k: tf.convert_to_tensor(g) for k, g in grads.items()}
+        return loss, {k: tf.convert_to_tensor(g) if k in sparse else tf.cast(g, out_dtype) for k, g in grads.items()}
 
     return grad_fn
 
@@ -120,7 +126,7 @@ class Worker:
         self.pool = futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="push") if len(self.clients) > 1 else None
         self.train, self.test = model.data()
         self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)
-        self.grad_fn = make_grad_fn(model)
+        self.grad_fn = make_grad_fn(model, training.wire_dtype)
         self.sparse = {p.name: p for p in model.sparse_params}
         self.dense_vars = [p.name for p in model.params if not p.sparse]
         self._large = [

@@ -57,4 +57,5 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     assert _numeric(goodput["median_mib_per_second"]["tfps"])
     assert _numeric(goodput["ratio"]["median"]) and goodput["ratio"]["met"] in (True, False)
     assert out["goals"]["not_measured"] == 0
-    assert out["goals"]["met"] + out["goals"]["missed"] == 4  # 3 for the 670k shape, 1 for goodput
+    assert out["goals"]["met"] + out["goals"]["missed"] == 6  # 5 for the 670k shape, 1 for goodput
+    assert _numeric(goodput["median_mib_per_second"]["grpc_echo"])

@@ -49,6 +49,21 @@ def test_sync_n_workers_equal_one_worker_with_n_times_the_batch(optimizer, extra
         np.testing.assert_allclose(many[name], one[name], rtol=1e-4, atol=2e-5, err_msg=name)
 
 
+def test_bfloat16_wire_tracks_float32_training():
+    """wireDtype bfloat16 rounds what travels, not what the PS keeps: after K sync steps the
+    parameters are float32 and differ from the float32 run's by a small fraction of how far
+    training moved them."""
+    base = {"steps": 30}
+    full = _final_params(_training(**base), num_ps=2, num_workers=2)
+    half = _final_params(_training(wireDtype="bfloat16", **base), num_ps=2, num_workers=2)
+    start = {p.name: p.initial_value(0) for p in InProcessCluster(_training()).model().params}
+    for name in full:
+        assert half[name].dtype == np.float32
+        assert not np.array_equal(half[name], full[name]), f"{name}: bfloat16 changed nothing, was it used?"
+        moved = np.linalg.norm(full[name] - start[name])
+        assert np.linalg.norm(half[name] - full[name]) < 0.05 * moved, name
+
+
 @pytest.mark.parametrize("mode", ["async", "bounded"])
 def test_async_modes_converge_on_digits(mode):
     training = _training(steps=600, batchSize=32, optimizer={"name": "adam", "learningRate": 0.003},

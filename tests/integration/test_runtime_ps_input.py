@@ -54,6 +54,8 @@ def _bad_requests():
         ("unknown_variable", wire.encode(meta, {**good, "no/such/variable": np.zeros(3, np.float32)})),
         ("non_finite", wire.encode(meta, {**good, "dense_0/bias": nan[3, :64].copy()})),
         ("non_finite", wire.encode(meta, {"dense_0/kernel": inf})),
+        ("non_finite", wire.encode(meta, {"dense_0/kernel": nan.astype(wire.DTYPES["bfloat16"])})),
+        ("wrong_dtype", wire.encode(meta, {"dense_0/kernel": good["dense_0/kernel"].astype(np.float16)})),
         ("out_of_range", wire.encode(meta, {"embedding:indices": np.array([1, 10**6], np.int64),
                                              "embedding:values": np.zeros((2, 16), np.float32)})),
         ("malformed", wire.encode({**meta, "worker": 7}, good)),
@@ -82,6 +84,18 @@ def test_a_good_push_is_applied(cluster):
     reply = wire.decode(_step(cluster, wire.encode({"worker": 0, "tag": version, "pull": True, "batch": 1}, {"dense_0/kernel": grad})))
     assert reply.meta["version"] == version + 1
     assert cluster.shards[0].version == version + 1
+
+
+def test_a_bfloat16_push_is_applied_in_float32(cluster):
+    """spec.training.wireDtype bfloat16: the PS takes bfloat16 gradients and updates its
+    float32 parameters with them."""
+    version = cluster.shards[0].version
+    before = cluster.parameters()["dense_0/kernel"]
+    grad = np.full((4 * 16 + 8, 64), 0.5, np.float32).astype(wire.DTYPES["bfloat16"])
+    _step(cluster, wire.encode({"worker": 0, "tag": version, "pull": False, "batch": 1}, {"dense_0/kernel": grad}))
+    after = cluster.parameters()["dense_0/kernel"]
+    assert cluster.shards[0].version == version + 1 and after.dtype == np.float32
+    np.testing.assert_allclose(after, before - 0.1 * 0.5, rtol=1e-6)  # sgd, learning rate 0.1
 
 
 def test_health_service_reports_serving(cluster):

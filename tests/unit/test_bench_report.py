@@ -8,9 +8,9 @@ from tfps.bench import report
 from tfps.bench.main import build_report
 
 SHAPE_670K = [
-    {"ceiling": 20000.0, "tf_pss": 6000.0, "tfps_async": 12000.0, "tfps_sync": 6600.0},
-    {"ceiling": 10000.0, "tf_pss": 3000.0, "tfps_async": 4500.0, "tfps_sync": 2700.0},
-    {"ceiling": 18000.0, "tf_pss": 5000.0, "tfps_async": 9000.0, "tfps_sync": None},
+    {"ceiling": 20000.0, "tf_pss": 6000.0, "tfps_async": 12000.0, "tfps_sync": 6600.0, "tfps_async_bf16": 13000.0},
+    {"ceiling": 10000.0, "tf_pss": 3000.0, "tfps_async": 4500.0, "tfps_sync": 2700.0, "tfps_async_bf16": 5000.0},
+    {"ceiling": 18000.0, "tf_pss": 5000.0, "tfps_async": 9000.0, "tfps_sync": None, "tfps_async_bf16": 10000.0},
 ]
 
 
@@ -57,20 +57,28 @@ def test_goodput_ratio_and_goal():
     assert out["ratio"]["values"] == pytest.approx([0.45, 0.3, 0.4])
     assert out["ratio"]["median"] == pytest.approx(0.4)
     assert out["ratio"]["met"] is True
-    assert out["median_mib_per_second"] == {"raw_tcp": 2500.0, "tfps": 900.0}
+    assert out["median_mib_per_second"] == {"raw_tcp": 2500.0, "tfps": 900.0, "grpc_echo": None}
+
+
+def test_goodput_places_grpcio_alone_between_tfps_and_raw_tcp():
+    out = report.summarize_goodput([{"raw_tcp": 4000.0, "tfps": 600.0, "grpc_echo": 1200.0}])
+    assert out["grpc_ratio"]["median"] == pytest.approx(0.3)
+    assert out["tfps_vs_grpc"]["median"] == pytest.approx(0.5)
+    assert out["grpc_ratio"]["goal"] is None  # context, not a goal
 
 
 def _full_report(errors=()):
-    rows = {"670k": SHAPE_670K, "5.8M": [{"ceiling": 1200.0, "tf_pss": 900.0, "tfps_async": 950.0, "tfps_sync": 800.0}]}
-    goodput = [{"raw_tcp": 3000.0, "tfps": 600.0}]
+    rows = {"670k": SHAPE_670K, "5.8M": [{"ceiling": 1200.0, "tf_pss": 900.0, "tfps_async": 950.0, "tfps_sync": 800.0, "tfps_async_bf16": 1000.0}]}
+    goodput = [{"raw_tcp": 3000.0, "tfps": 600.0, "grpc_echo": 900.0}]
     return build_report({"repeats": 3}, rows, goodput, list(errors), 12.0)
 
 
 def test_report_counts_goals():
     out = _full_report()
-    # 670k: async/TF met, sync/TF met, async/ceiling missed; 5.8M: async/TF missed (1.06), async/ceiling met (0.79);
+    # 670k: async/TF met, sync/TF met, async/ceiling missed, bf16/TF met (2.0), bf16/ceiling missed (0.56);
+    # 5.8M: async/TF missed (1.06), async/ceiling met (0.79), bf16/TF met (1.11), bf16/ceiling met (0.83);
     # goodput missed (0.2)
-    assert out["goals"] == {"met": 3, "missed": 3, "not_measured": 0}
+    assert out["goals"] == {"met": 6, "missed": 4, "not_measured": 0}
     assert out["shapes"]["5.8M"]["config"] == {"params": 5_824_522, "layers": [784, 2048, 2048, 10], "batch": 128, "workers": 2, "ps": 2}
 
 
@@ -85,4 +93,5 @@ def test_table_has_every_row_and_goal():
     assert "669,706" in text and "5,824,522" in text
     assert "missed by 33% (goal ≥ 0.75×)" in text
     assert "measurement failed: 5.8M tfps_sync: boom" in text
-    assert "goals: 3 met, 3 missed, 0 not measured" in text
+    assert "goals: 6 met, 4 missed, 0 not measured" in text
+    assert "grpcio alone (echo) / raw TCP" in text

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from tfps.runtime.local import Fault, LocalRun
-from tfps.runtime.process import ProcessConfig
+from tfps.runtime.malloc import keep_large_buffers
+from tfps.runtime.process import ProcessConfig, cgroup_cpus
 from tfps.runtime.spec import TrainingJob
 
 
@@ -66,6 +67,28 @@ def test_local_run_uses_loopback_and_a_checkpoint_folder(tmp_path):
     assert all(a.startswith("127.0.0.1:") for a in cluster["ps"] + cluster["worker"])
     assert json.loads(env["TFPS_TRAINING"])["checkpoint"]["path"] == str(tmp_path / "checkpoints")
     assert env["TFPS_RESULT_FILE"]
+
+
+def test_local_processes_split_the_machine_s_cores(tmp_path, monkeypatch):
+    monkeypatch.delenv("TFPS_INTRA_OP_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    run = LocalRun(_job(), workdir=tmp_path)
+    env = run._environment(run.replicas[("ps", 0)])
+    assert env["TFPS_INTRA_OP_THREADS"] == str(8 // len(run.replicas))
+    monkeypatch.setenv("TFPS_INTRA_OP_THREADS", "3")  # the user's choice wins
+    assert run._environment(run.replicas[("ps", 0)])["TFPS_INTRA_OP_THREADS"] == "3"
+
+
+@pytest.mark.parametrize("content, cpus", [("max 100000", None), ("150000 100000", 2), ("50000 100000", 1), ("", None)])
+def test_threads_follow_the_pod_cpu_limit(tmp_path, content, cpus):
+    path = tmp_path / "cpu.max"
+    path.write_text(content)
+    assert cgroup_cpus(str(path)) == cpus
+    assert cgroup_cpus(str(tmp_path / "absent")) is None
+
+
+def test_large_buffers_are_kept_in_the_heap():
+    assert keep_large_buffers() is True  # glibc here: mallopt takes every setting
 
 
 def test_fault_syntax():

@@ -58,3 +58,12 @@ def test_unknown_dtype_is_refused():
     with pytest.raises(wire.WireError) as err:
         wire.decode(struct.pack("<I", len(header)) + header + bytes(8))
     assert err.value.reason == "wrong_dtype"
+
+
+def test_bfloat16_tensors_travel_as_two_bytes_each():
+    values = np.array([[1.5, -2.0], [0.0078125, 3.0e38]], np.float32).astype(wire.DTYPES["bfloat16"])
+    data = wire.encode({}, {"w": values})
+    out = wire.decode(data).tensors["w"]
+    assert out.dtype.name == "bfloat16" and out.shape == (2, 2)
+    np.testing.assert_array_equal(out.astype(np.float32), values.astype(np.float32))
+    assert len(data) - len(wire.encode({}, {"w": np.zeros((0,), np.float32)})) < 4 * 2 + 64  # 8 bytes of payload, not 16
