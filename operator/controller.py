@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from tfps.runtime.spec import ReplicaType, TrainingJob
 
 from . import builders, naming, progress, security
+from .calls import CREATE, OTHER, Key, PriorityPool, job_key
 from .config import OperatorConfig
 from .kube import Kube
 from .metrics import OperatorMetrics
@@ -31,52 +31,70 @@ class Outcome:
 class Controller:
     def __init__(self, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics):
         self.kube, self.config, self.metrics = kube, config, metrics
-        # Pod creations of one job go out in parallel: a 2 PS + 8 worker job is 11 calls.
-        self._fanout = ThreadPoolExecutor(max_workers=config.reconcile_workers, thread_name_prefix="tfps-create")
+        # Every API call of a pass goes through this pool: a job's creations go out in
+        # parallel (a 2 PS + 8 worker job is 13 calls), and older jobs' calls go first.
+        self._calls = PriorityPool(config.reconcile_workers, "tfps-api")
 
-    def reconcile(self, namespace: str, name: str) -> Outcome | None:
-        """One level-based pass; None when the job is gone or being deleted."""
+    def reconcile(self, namespace: str, name: str, created: str | None = None, new_body: dict | None = None) -> Outcome | None:
+        """One level-based pass; None when the job is gone or being deleted. `created`: the
+        job's creationTimestamp, which orders its calls among other jobs'. `new_body`: a job
+        never reconciled (no status), as the watch just brought it."""
         started = time.perf_counter()
-        body = self.kube.get_job(namespace, name)
+        age = job_key(created, namespace, name)
+        key = (OTHER, *age)
+        if new_body is not None:
+            # No reads: a new job has no pods, unless an operator died while creating them; those
+            # answer 409 below (no duplicate), and then the next pass reads everything.
+            body, pods = new_body, []
+        else:
+            # Both reads at once: they are independent, and the previous pass's writes are done.
+            job_read = self._calls.submit(key, self.kube.get_job, namespace, name)
+            pods_read = self._calls.submit(key, self.kube.list_pods, namespace, name)
+            body = job_read.result()
+            pods = pods_read.result()
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
-        pods = self.kube.list_pods(namespace, name)
         result = plan(body, pods, datetime.now(timezone.utc))
         ctx = f"{namespace}/{name}"
 
         if result.create:  # first: the time to all pods created is what users wait for
-            self._create(body, result)
+            created_all = self._create((CREATE, *age), body, result)
+            if new_body is not None and not created_all:
+                result.requeue(0)
         old = {k: v for k, v in (body.get("status") or {}).items() if k != "progress"}
         patch = merge_patch(old, result.status)
         if patch:  # before the deletions, so a restart is counted even if we die right after
-            self.kube.patch_job_status(namespace, name, patch)
+            self._calls.submit(key, self.kube.patch_job_status, namespace, name, patch).result()
         for pod_name in result.restart:
             # Its containers have exited: no grace period to wait for.
-            if self.kube.delete_pod(namespace, pod_name, grace_seconds=0):
+            if self._calls.submit(key, self.kube.delete_pod, namespace, pod_name, 0).result():
                 self.metrics.pods_restarted.inc()
                 self.metrics.pods_deleted.inc()
                 log.info("%s: restarting pod %s", ctx, pod_name)
-        deleted = [n for n, ok in zip(result.delete, self._fanout.map(
-            lambda n: self.kube.delete_pod(namespace, n), result.delete)) if ok]
+        deleted = [n for n, ok in zip(result.delete, self._calls.map(
+            key, lambda n: self.kube.delete_pod(namespace, n), result.delete)) if ok]
         self.metrics.pods_deleted.inc(len(deleted))
         if deleted:
             log.info("%s: deleted pods %s", ctx, ", ".join(deleted))
         if result.delete_job:
-            self.kube.delete_job(namespace, name)
+            self._calls.submit(key, self.kube.delete_job, namespace, name).result()
             log.info("%s: deleted after ttlSecondsAfterFinished", ctx)
         self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         return Outcome(body=body, plan=result)
 
-    def _create(self, body: dict, result: Plan) -> None:
+    def _create(self, key: Key, body: dict, result: Plan) -> bool:
+        """Create the missing pods (and the Service, and on a job's first pods its Secret and
+        NetworkPolicy); False when some already existed."""
         job = TrainingJob.model_validate(body)
         if security.creates_every_pod(job, result.create):  # the Secret must exist before any pod
-            list(self._fanout.map(self.kube.create, security.job_objects(job, self.config)))
+            self._calls.map(key, self.kube.create, security.job_objects(job, self.config))
         pods = [builders.build_pod(job, rtype, index, self.config) for rtype, index in result.create]
         service = builders.build_service(job, self.config)
-        created = sum(list(self._fanout.map(self.kube.create, [service, *pods]))[1:])
+        created = sum(self._calls.map(key, self.kube.create, [service, *pods])[1:])
         self.metrics.pods_created.inc(created)
         if created:
             log.info("%s/%s: created %d pods", job.namespace, job.name, created)
+        return created == len(pods)
 
     def read_progress(self, namespace: str, name: str, previous: progress.Sample | None) -> tuple[dict | None, progress.Sample | None]:
         """status.progress from the PS pods' metrics, and the sample to compare with next time."""
@@ -90,6 +108,7 @@ class Controller:
             return None, previous
         return progress.to_status(sample, previous, timestamp(datetime.now(timezone.utc))), sample
 
-    def delete_children(self, namespace: str, name: str, uid: str) -> None:
-        deleted = self.kube.delete_children(namespace, name, uid, self._fanout.map)
+    def delete_children(self, namespace: str, name: str, uid: str, created: str | None = None) -> None:
+        key = (OTHER, *job_key(created, namespace, name))
+        deleted = self.kube.delete_children(namespace, name, uid, lambda fn, items: self._calls.map(key, fn, items))
         self.metrics.pods_deleted.inc(deleted)

@@ -7,6 +7,7 @@ happens at import time and the timer's interval comes from the configuration.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -118,17 +119,23 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     # On deletion or pause the loop is told to stop and gets cancellation_backoff seconds to
     # finish its pass before it is cancelled.
     @kopf.daemon(**resource, cancellation_backoff=1.0, cancellation_timeout=5.0)
-    async def job_loop(name: str, namespace: str, stopped: kopf.DaemonStopped, logger: logging.Logger, **_: Any) -> None:
+    async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, stopped: kopf.DaemonStopped,
+                       logger: logging.Logger, **_: Any) -> None:
         """Reconcile the job whenever something changes, and at least every resyncSeconds."""
         key = (namespace, name)
         wake = rt.wake.setdefault(key, asyncio.Event())
         loop = asyncio.get_running_loop()
+        # A job never reconciled: its first pass starts from the body the event brought (later
+        # passes read it again: this live view may lag behind our own status writes).
+        new = None if body.get("status") else copy.deepcopy(dict(body))
         try:
             while not stopped:
                 wake.clear()
                 delay = rt.config.resync_seconds
+                first, new = new, None
                 try:
-                    outcome = await loop.run_in_executor(rt.executor, rt.controller.reconcile, namespace, name)
+                    outcome = await loop.run_in_executor(rt.executor, rt.controller.reconcile, namespace, name,
+                                                         meta.get("creationTimestamp"), first)
                 except Exception as err:  # API unavailable, conflict...: retried, never fatal
                     rt.metrics.reconcile_errors.inc()
                     logger.warning("reconcile failed, retrying in %.0fs: %s", RETRY_SECONDS, err)
@@ -183,8 +190,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
     # optional: no finalizer, so a job (or its namespace) deleted while no operator runs is not
     # stuck forever; owner references let the garbage collector remove the children then.
     @kopf.on.delete(**resource, optional=True)
-    async def delete_children(name: str, namespace: str, uid: str, **_: Any) -> None:
+    async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, **_: Any) -> None:
         # Owner references would do it too, but the garbage collector may take a while.
         rt.metrics.job_phase((namespace, name), None)
         rt.seen_generation.pop((namespace, name), None)
-        await asyncio.get_running_loop().run_in_executor(rt.executor, rt.controller.delete_children, namespace, name, uid)
+        await asyncio.get_running_loop().run_in_executor(rt.executor, rt.controller.delete_children, namespace, name, uid,
+                                                         meta.get("creationTimestamp"))
