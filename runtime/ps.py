@@ -13,7 +13,9 @@ Consistency (spec.training.consistency.mode):
 - sync: gradients tagged with the current version are summed; the step closes when every
   live worker has pushed; the mean is applied once and the version bumped. A push for an
   older version is dropped (`stale`), the worker pulls and recomputes.
-- async: each push is applied on arrival.
+- async: each push is applied on arrival, once: a push carries `seq`, the number of this
+  worker's pushes the shard had applied when the worker last heard from it, so a retried
+  push whose reply was lost is recognised and not applied again.
 - bounded: async, and a worker more than `staleness` steps ahead of the slowest live
   worker (stale synchronous parallel clocks) waits before it gets parameters back.
 A worker is live when it made a call within `worker_timeout` seconds; a worker never
@@ -64,6 +66,7 @@ class _Request:
     batch: int
     loss: float | None
     want_dense: bool = True
+    seq: int | None = None  # async/bounded: this worker's pushes this shard had applied when it sent this one
     dense: dict[str, np.ndarray] = field(default_factory=dict)
     sparse: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     rows: dict[str, np.ndarray] = field(default_factory=dict)
@@ -176,7 +179,11 @@ class Shard:
             raise Rejected("malformed", f"worker {worker} is not in the cluster (0..{self.num_workers - 1})")
         if batch < 0 or (loss is not None and not math.isfinite(loss)):
             raise Rejected("non_finite" if loss is not None and not math.isfinite(loss) else "malformed", "batch must be >= 0 and loss finite")
-        req = _Request(worker, tag, pull, min_version, batch, loss, bool(meta.get("dense", True)))
+        try:
+            seq = None if meta.get("seq") is None else int(meta["seq"])
+        except (TypeError, ValueError):
+            raise Rejected("malformed", f"bad request field seq: {meta.get('seq')!r}") from None
+        req = _Request(worker, tag, pull, min_version, batch, loss, bool(meta.get("dense", True)), seq)
         for name, arr in msg.tensors.items():
             base, _, kind = name.partition(":")
             part = self.parts.get(base)
@@ -289,6 +296,10 @@ class Shard:
         self._apply(dense, sparse, examples, loss, 0)
 
     def _push_async(self, req: _Request) -> None:
+        if req.seq is not None and req.seq < self.clocks[req.worker]:
+            # A retry of a push applied before whose reply was lost: apply it once only.
+            self.metrics.duplicates.inc()
+            return
         staleness = self.version - req.tag if req.tag >= 0 else 0
         self.clocks[req.worker] += 1
         self._apply(req.dense, req.sparse, req.batch, req.loss, staleness)

@@ -139,6 +139,7 @@ class Worker:
         self._rows_step = None  # data step the cached rows were pulled for
         self.done = False
         self.clock = 0
+        self.shard_clocks = [0] * len(self.clients)  # per shard: its count of this worker's pushes
         self.last_loss = math.nan
         self.steps_done = 0
         if pipeline is None:
@@ -201,6 +202,7 @@ class Worker:
         self.versions = [r.version for r in replies]
         self.done = replies[0].done
         self.clock = replies[0].clock
+        self.shard_clocks = [r.clock for r in replies]
         self._take_params(replies)
 
     def _data_step(self) -> int:
@@ -237,10 +239,13 @@ class Worker:
         return loss, grads, routes, len(y)
 
     def _exchange(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict]) -> list[_Reply]:
-        """Push to every shard in parallel; each reply carries the next parameters."""
+        """Push to every shard in parallel; each reply carries the next parameters. In async
+        and bounded mode each push carries its sequence number, so that a retry whose first
+        try was applied is not applied twice."""
         t0 = time.perf_counter()
+        seqs = None if self.mode is ConsistencyMode.SYNC else list(self.shard_clocks)
         replies = self._map(
-            lambda k: self._call(k, {**meta, "tag": tags[k]}, {**shard_tensors[k], **row_requests[k]}),
+            lambda k: self._call(k, {**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})}, {**shard_tensors[k], **row_requests[k]}),
             [(k,) for k in range(len(self.clients))],
         )
         replies = self._absorb(replies, tags, row_requests)

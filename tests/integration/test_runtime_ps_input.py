@@ -98,6 +98,28 @@ def test_a_bfloat16_push_is_applied_in_float32(cluster):
     np.testing.assert_allclose(after, before - 0.1 * 0.5, rtol=1e-6)  # sgd, learning rate 0.1
 
 
+def test_a_retried_push_is_applied_once(cluster):
+    """A push whose reply was lost comes again with the same `seq`: the PS answers it with
+    the parameters but does not apply the gradient a second time, and counts it."""
+    shard = cluster.shards[0]
+    seq, version = shard.clocks[0], shard.version
+    labels = {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0"}
+    dups = shard.metrics.registry.get_sample_value("tfps_ps_duplicate_pushes_total", labels) or 0
+    push = wire.encode({"worker": 0, "tag": version, "seq": seq, "pull": True, "batch": 1},
+                       {"dense_0/kernel": np.ones((4 * 16 + 8, 64), np.float32)})
+    first = wire.decode(_step(cluster, push))
+    after_first = cluster.parameters()["dense_0/kernel"]
+    again = wire.decode(_step(cluster, push))  # the retry
+    assert first.meta["version"] == again.meta["version"] == version + 1
+    assert again.meta["clock"] == seq + 1
+    np.testing.assert_array_equal(cluster.parameters()["dense_0/kernel"], after_first)
+    assert shard.metrics.registry.get_sample_value("tfps_ps_duplicate_pushes_total", labels) == dups + 1
+    # the next push, with the sequence number the reply gave, is applied
+    _step(cluster, wire.encode({"worker": 0, "tag": version + 1, "seq": seq + 1, "pull": False, "batch": 1},
+                               {"dense_0/kernel": np.ones((4 * 16 + 8, 64), np.float32)}))
+    assert shard.version == version + 2
+
+
 def test_health_service_reports_serving(cluster):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
