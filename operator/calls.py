@@ -1,11 +1,12 @@
-"""The threads that make the operator's API calls: creations first, then oldest job first.
+"""The threads that make the operator's API calls, oldest job first.
 
 When many jobs arrive at once, a plain FIFO pool interleaves them: every job's reads, then
 every job's Secret, then every job's pods, so each job waits for nearly all of the others.
 Ordered by the job's age (its creationTimestamp, then its name), the calls of the jobs that
 came first go first whenever calls are queued, so jobs get their pods in the order they
-were created; and creations go before the status work of jobs that already have their
-pods. When nothing is queued the order changes nothing.
+were created; within a job, creations go before its other calls. (Creations of every job
+before anyone's status work was tried too: status writes then starved during a burst and
+"Running" came seconds late.) When nothing is queued the order changes nothing.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 Key = tuple  # compared as a tuple: the smaller goes first
-CREATE, OTHER = 0, 1  # classes of calls: creating a job's children, anything else
+CREATE, OTHER = 0, 1  # a job's calls: creating its children go before anything else
 
 
 def job_key(created: str | None, namespace: str, name: str) -> Key:
