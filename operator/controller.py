@@ -41,7 +41,7 @@ class Controller:
         never reconciled (no status), as the watch just brought it."""
         started = time.perf_counter()
         age = job_key(created, namespace, name)
-        key = (*age, OTHER)
+        key = (OTHER, *age)
         if new_body is not None:
             # No reads: a new job has no pods, unless an operator died while creating them; those
             # answer 409 below (no duplicate), and then the next pass reads everything.
@@ -58,7 +58,7 @@ class Controller:
         ctx = f"{namespace}/{name}"
 
         if result.create:  # first: the time to all pods created is what users wait for
-            created_all = self._create((*age, CREATE), body, result)
+            created_all = self._create((CREATE, *age), body, result)
             if new_body is not None and not created_all:
                 result.requeue(0)
         old = {k: v for k, v in (body.get("status") or {}).items() if k != "progress"}
@@ -109,6 +109,6 @@ class Controller:
         return progress.to_status(sample, previous, timestamp(datetime.now(timezone.utc))), sample
 
     def delete_children(self, namespace: str, name: str, uid: str, created: str | None = None) -> None:
-        key = (*job_key(created, namespace, name), OTHER)
+        key = (OTHER, *job_key(created, namespace, name))
         deleted = self.kube.delete_children(namespace, name, uid, lambda fn, items: self._calls.map(key, fn, items))
         self.metrics.pods_deleted.inc(deleted)
