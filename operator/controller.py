@@ -32,7 +32,8 @@ class Controller:
     def __init__(self, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics):
         self.kube, self.config, self.metrics = kube, config, metrics
         # Every API call of a pass goes through this pool: a job's creations go out in
-        # parallel (a 2 PS + 8 worker job is 13 calls), and older jobs' calls go first.
+        # parallel (a 2 PS + 8 worker job is 13 calls), creations before other calls, and
+        # older jobs' before newer ones' (calls.py).
         self._calls = PriorityPool(config.reconcile_workers, "tfps-api")
 
     def reconcile(self, namespace: str, name: str, created: str | None = None, new_body: dict | None = None) -> Outcome | None:

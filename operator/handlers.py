@@ -202,8 +202,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         if new:
             patch.status["progress"] = new
 
-    # optional: no finalizer, so a job (or its namespace) deleted while no operator runs is not
-    # stuck forever; owner references let the garbage collector remove the children then.
+    # optional: this handler asks for no finalizer of its own. (The daemon and the timer do:
+    # kopf holds a job with tfps.io/operator until it has stopped them, so a job deleted while
+    # no operator runs waits for one; owner references remove its children either way.)
     @kopf.on.delete(**resource, optional=True)
     async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, **_: Any) -> None:
         # Owner references would do it too, but the garbage collector may take a while.
