@@ -19,7 +19,10 @@ Consistency (spec.training.consistency.mode):
 - bounded: async, and a worker more than `staleness` steps ahead of the slowest live
   worker (stale synchronous parallel clocks) waits before it gets parameters back.
 A worker is live when it made a call within `worker_timeout` seconds; a worker never
-seen counts as live for `startup_grace` seconds after this PS started.
+seen counts as live for `startup_grace` seconds after this PS started. Workers added by a
+live scale-up have a TF_CONFIG larger than this PS's: their requests say so (`workers`)
+and the PS makes room for them; replies tell workers how many slices to cut each global
+batch into (up to the highest live worker).
 """
 from __future__ import annotations
 
@@ -51,6 +54,7 @@ log = logging.getLogger("tfps.ps")
 BFLOAT16 = np.dtype(wire.DTYPES["bfloat16"])
 _BF16_EXPONENT = np.uint16(0x7F80)
 DENSE_WIRE_DTYPES = (np.dtype(np.float32), BFLOAT16)  # dense gradients may come as either
+MAX_WORKERS = 100_000  # bounds the worker slots a request can make a PS allocate
 
 
 class Rejected(wire.WireError):
@@ -142,7 +146,22 @@ class Shard:
         return self.version >= self.steps
 
     def _seen(self, worker: int) -> None:
+        self._grow(worker + 1)
         self.last_seen[worker] = time.monotonic()
+
+    def _grow(self, num_workers: int) -> None:
+        """Make room for workers added by a live scale-up (their TF_CONFIG is newer than ours)."""
+        extra = num_workers - self.num_workers
+        if extra > 0:
+            self.clocks += [0] * extra
+            self.last_seen += [None] * extra
+            self.num_workers = num_workers
+
+    def split_size(self) -> int:
+        """How many slices the workers cut each global batch into: up to the highest live
+        worker (so a scale-down stops leaving slices unread once the removed workers are gone)."""
+        live = self.live_workers()
+        return max(live) + 1 if live else self.num_workers
 
     def live_workers(self) -> list[int]:
         now = time.monotonic()
@@ -175,8 +194,12 @@ class Shard:
             loss = None if loss is None else float(loss)
         except (TypeError, ValueError) as err:
             raise Rejected("malformed", f"bad request fields: {err}") from None
-        if not 0 <= worker < self.num_workers:
-            raise Rejected("malformed", f"worker {worker} is not in the cluster (0..{self.num_workers - 1})")
+        try:  # the cluster size in the worker's TF_CONFIG: larger than this PS's after a scale-up
+            claimed = min(int(meta.get("workers", self.num_workers)), MAX_WORKERS)
+        except (TypeError, ValueError):
+            raise Rejected("malformed", f"bad request field workers: {meta.get('workers')!r}") from None
+        if not 0 <= worker < max(self.num_workers, claimed):
+            raise Rejected("malformed", f"worker {worker} is not in the cluster (0..{max(self.num_workers, claimed) - 1})")
         if batch < 0 or (loss is not None and not math.isfinite(loss)):
             raise Rejected("non_finite" if loss is not None and not math.isfinite(loss) else "malformed", "batch must be >= 0 and loss finite")
         try:
@@ -360,6 +383,7 @@ class Shard:
             meta = {
                 "version": self.version,
                 "done": self.done,
+                "workers": self.split_size(),
                 "clock": 0 if shared else self.clocks[req.worker],
                 "incarnation": self.incarnation,
                 "stale": stale,
@@ -466,8 +490,9 @@ class Shard:
             for slot, svar in self.slots[name].items():
                 svar.assign(msg.tensors[f"{name}:slot:{slot}"])
         self.version = int(meta["version"])
-        clocks = list(meta.get("clocks", []))[: self.num_workers]
-        self.clocks = clocks + [0] * (self.num_workers - len(clocks))
+        clocks = [int(c) for c in meta.get("clocks", [])]
+        self._grow(len(clocks))
+        self.clocks[: len(clocks)] = clocks
         self.examples = int(meta.get("examples", 0))
         self.loss = meta.get("loss")
         self.checkpoint_step = self.version

@@ -103,6 +103,7 @@ class _Reply:
     stale: bool
     pending: bool
     msg: wire.Message
+    workers: int  # the PS's count of slices per global batch
 
 
 class Worker:
@@ -153,9 +154,10 @@ class Worker:
         return list(self.pool.map(lambda a: fn(*a), items))
 
     def _call(self, k: int, meta: dict, tensors: dict) -> _Reply:
-        msg = self.clients[k].step({"worker": self.index, **meta}, tensors, self._large[k])
+        msg = self.clients[k].step({"worker": self.index, "workers": self.num_workers, **meta}, tensors, self._large[k])
         m = msg.meta
-        return _Reply(int(m["version"]), bool(m["done"]), int(m.get("clock", 0)), bool(m.get("stale")), bool(m.get("pending")), msg)
+        return _Reply(int(m["version"]), bool(m["done"]), int(m.get("clock", 0)), bool(m.get("stale")), bool(m.get("pending")), msg,
+                      int(m.get("workers", self.num_workers)))
 
     # ---- the batch's sparse rows ----
     def _sparse_plan(self, x: dict) -> tuple[dict, list[dict], dict]:
@@ -203,6 +205,10 @@ class Worker:
         self.done = replies[0].done
         self.clock = replies[0].clock
         self.shard_clocks = [r.clock for r in replies]
+        split = replies[0].workers
+        if split != self.batches.num_workers and self.index < split:  # workers were scaled: cut batches anew
+            self.batches = BatchSource(self.train, self.training.seed, self.training.batch_size, self.index, split)
+            log.info(json.dumps({"event": "resplit", "worker": self.index, "workers": split}))
         self._take_params(replies)
 
     def _data_step(self) -> int:

@@ -74,3 +74,40 @@ def test_async_modes_converge_on_digits(mode):
         assert cluster.shards[0].version == training.steps
         # every push was applied on arrival: both workers did part of the steps
         assert sum(w.steps_done for w in workers) >= training.steps and min(w.steps_done for w in workers) > 50
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
+    """`kubectl scale tj/NAME --replicas=3` on a job of 2 workers: the PS was started with a
+    TF_CONFIG of 2 workers, the new worker's says 3. The PS makes room for it, it trains
+    alongside the others, and every worker cuts its batches in 3 from then on."""
+    import threading
+
+    from tfps.runtime.metrics import Identity, WorkerMetrics
+    from tfps.runtime.worker import Worker
+
+    training = _training(steps=240, batchSize=16, optimizer={"name": "adam", "learningRate": 0.003}, consistency={"mode": mode})
+    with InProcessCluster(training, num_ps=2, num_workers=2) as cluster:
+        def late_worker():
+            while cluster.shards[0].version < 40:
+                threading.Event().wait(0.05)
+            worker = Worker(cluster.model(), training, cluster.addresses, 3, 2, WorkerMetrics(Identity("inprocess", "default", "worker", 2)))
+            try:
+                worker.run()
+                joined.append(worker)
+            finally:
+                worker.close()
+
+        joined: list = []
+        thread = threading.Thread(target=late_worker, daemon=True)
+        thread.start()
+        workers, result = cluster.train()
+        thread.join(timeout=120)
+        assert joined and joined[0].steps_done > 0, "the added worker never trained"
+        assert all(s.num_workers == 3 for s in cluster.shards)
+        assert all(w.batches.num_workers == 3 for w in workers + joined)
+        assert result["accuracy"] >= 0.6  # still learning (chance: 0.1); 240 steps is short of convergence
+        rejected = cluster.shards[0].metrics.registry.get_sample_value(
+            "tfps_ps_rejected_requests_total",
+            {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0", "reason": "malformed"}) or 0
+        assert rejected == 0
