@@ -225,3 +225,37 @@ def test_crash_in_the_middle_of_a_checkpoint_restores_the_previous_one(cluster, 
         assert (folder / CRASH_MARKER).read_text() == str(crash_at)
         assert list(folder.glob(".shard-*.tmp")), "the half-written temporary file should be left by the crash"
         assert run.pod("ps", ps).status.container_statuses[0].restart_count == 1
+
+
+def test_workers_scaled_up_live_mid_run(cluster, stack, tmp_path, record_property):
+    """`kubectl scale tj/NAME --replicas=3` mid-run: no pod restarts, the new worker (whose
+    TF_CONFIG names 3 workers while the PS pods' name 2) joins and trains, every worker cuts its
+    batches in 3 from then on, and the job succeeds. A longer run than the faults' (a new
+    worker takes seconds to start), so held to an absolute accuracy."""
+    steps = 6 * STEPS
+    body = manifest("f-scale-up", tmp_path / "checkpoints", steps=steps, every=steps)
+    run = JobRun(cluster, stack, body).start()
+    core = client.CoreV1Api(cluster.api)
+    try:
+        run.wait_step(EVERY)
+        uids = {p.metadata.name: p.metadata.uid for p in core.list_namespaced_pod(
+            stack, label_selector=f"tfps.io/job-name={run.name}").items}
+        run.replicas += 1  # the watcher's bound on live pods
+        cluster.kubectl("scale", f"tj/{run.name}", "-n", stack, "--replicas=3")
+        status = run.wait_finished()
+    finally:
+        run.stop_watching()
+    result = run.result() if status.get("phase") == "Succeeded" else {}
+    record_property("reliability", {"kind": "fault", "fault": "workers scaled 2 -> 3 (kubectl scale)", "phase": status.get("phase"),
+                                    "baseline": None, "accuracy": result.get("accuracy"), "steps": result.get("steps"),
+                                    "checkpoint_interval": EVERY, "steps_redone": 0, "steps_lost": 0,
+                                    "duplicates": len(run.watch.api_duplicates) + len(run.watch.process_duplicates) + len(run.watch.too_many)})
+    assert status.get("phase") == "Succeeded", status
+    assert result["steps"] == steps and result["accuracy"] >= 0.9, result
+    assert not run.watch.api_duplicates and not run.watch.too_many and not run.watch.process_duplicates, run.watch
+    assert run.events("worker", 2, "joined"), ("worker 2 never joined", run.log("worker", 2)[-2000:])
+    assert any(e["workers"] == 3 for e in run.events("worker", 0, "resplit")), "worker 0 kept cutting batches in 2"
+    for name, uid in uids.items():  # nothing was restarted or recreated by the scale
+        pods = core.list_namespaced_pod(stack, field_selector=f"metadata.name={name}").items
+        for pod in pods:  # (cleanPodPolicy Running may have taken the PS pods by now)
+            assert pod.metadata.uid == uid and pod.status.container_statuses[0].restart_count == 0, name
