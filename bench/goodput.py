@@ -197,7 +197,7 @@ def tfps_mib_per_second(address: str, model_args: dict, seconds: float) -> dict:
     parts = place(model.params, 1).for_ps(0)
     grads = {p.name: np.full(p.shape, 1e-3, np.float32) for p in parts}
     nbytes = sum(g.nbytes for g in grads.values())
-    large = nbytes > wire.CHUNK_BYTES  # as the worker decides
+    large = nbytes > wire.UNARY_MAX_BYTES  # as the worker decides
     client = ShardClient(address, 0)
     try:
         version = 0

@@ -6,7 +6,7 @@ the standard health service.
 
 One RPC does push and pull together (`Step`): a request carries this worker's gradients
 for the version it computed on (`tag`) and asks for the parameters back, so a step costs
-one round trip per shard. Messages over wire.CHUNK_BYTES use the streaming twin
+one round trip per shard. Messages over wire.UNARY_MAX_BYTES use the streaming twin
 (`StepStream`).
 
 Consistency (spec.training.consistency.mode):

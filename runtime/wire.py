@@ -4,8 +4,8 @@
     header  = {"meta": {...}, "tensors": [[name, dtype, shape, nbytes], ...]}
 
 Tensors follow one another in the payload in header order. Decoding never copies: each
-tensor is an `np.frombuffer` view of the received bytes. Messages larger than CHUNK_BYTES
-travel as a gRPC stream of chunks (see `chunks` / `join`).
+tensor is an `np.frombuffer` view of the received bytes. Messages larger than
+UNARY_MAX_BYTES travel as a gRPC stream of CHUNK_BYTES chunks (see `encode_chunks` / `join`).
 """
 from __future__ import annotations
 
@@ -18,6 +18,10 @@ import ml_dtypes
 import numpy as np
 
 CHUNK_BYTES = 4 << 20
+# Larger messages are streamed in chunks. Up to glibc's largest mmap threshold (runtime/malloc.py)
+# a whole message reuses warm heap pages, and one unary call costs less than a stream: 5.8M
+# MLP on 2 PS (11.6 MB a shard), 8% more examples/s and 8% less CPU than with 4 MiB chunks.
+UNARY_MAX_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = 1 << 30
 _LEN = struct.Struct("<I")
 

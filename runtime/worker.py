@@ -131,7 +131,7 @@ class Worker:
         self.sparse = {p.name: p for p in model.sparse_params}
         self.dense_vars = [p.name for p in model.params if not p.sparse]
         self._large = [
-            sum(p.size for p in self.plan.for_ps(k) if not p.sparse) * 4 > wire.CHUNK_BYTES
+            sum(p.size for p in self.plan.for_ps(k) if not p.sparse) * 4 > wire.UNARY_MAX_BYTES
             for k in range(len(self.clients))
         ]
         self.versions = [0] * len(self.clients)

@@ -6,6 +6,7 @@
 import numpy as np
 import pytest
 
+from tfps.runtime import wire
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.spec import TrainingSpec
 
@@ -35,11 +36,13 @@ LARGE = {"model": "mlp", "modelArgs": {"inputDim": 784, "hidden": [1200, 1200], 
     [
         ({"name": "sgd", "learningRate": 0.1}, {}),
         ({"name": "adam", "learningRate": 0.01}, {}),
-        ({"name": "momentum", "learningRate": 0.01}, LARGE),  # 9 MB a shard: the chunked streaming path
+        ({"name": "momentum", "learningRate": 0.01}, LARGE),  # 9 MB a shard, streamed (below)
     ],
     ids=["sgd", "adam", "momentum-large"],
 )
-def test_sync_n_workers_equal_one_worker_with_n_times_the_batch(optimizer, extra):
+def test_sync_n_workers_equal_one_worker_with_n_times_the_batch(optimizer, extra, monkeypatch):
+    if extra:  # the chunked streaming path, as for shards over wire.UNARY_MAX_BYTES
+        monkeypatch.setattr(wire, "UNARY_MAX_BYTES", 1 << 20)
     n, batch = 3, 8
     many = _final_params(_training(batchSize=batch, optimizer=optimizer, **extra), num_ps=2, num_workers=n)
     one = _final_params(_training(batchSize=n * batch, optimizer=optimizer, **extra), num_ps=2, num_workers=1)
