@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -42,8 +43,31 @@ LOOPBACK = "127.0.0.1"
 POLL_SECONDS = 0.25
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port free on 127.0.0.1 now, below the kernel's ephemeral range. A port from that
+    range (what binding port 0 gives) can be taken by the local end of any outgoing
+    connection, a worker's to another PS for one, before the replica it is meant for binds it."""
+    try:
+        low = int(open(EPHEMERAL_RANGE).read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded machine: any free port
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
