@@ -72,32 +72,30 @@ def verdict(value: float | None, goal: float | None) -> dict[str, Any]:
     return {"goal": goal, "met": False, "missed_by_pct": round(missed, 1), "text": text}
 
 
+def paired(repeats: list[dict[str, float | None]], numerator: str, denominator: str, label: str, goal: float | None) -> dict[str, Any]:
+    """One ratio: its value within each repeat, their median, and the verdict against `goal`."""
+    values = [ratio(r.get(numerator), r.get(denominator)) for r in repeats]
+    med = median(values)
+    return {"label": label, "values": values, "median": med, **verdict(med, goal)}
+
+
 def summarize_shape(shape: str, repeats: list[dict[str, float | None]]) -> dict[str, Any]:
     """Per-system medians and, for each ratio, the per-repeat (paired) values and their median."""
     medians = {system: median([r.get(system) for r in repeats]) for system in SYSTEMS}
-    ratios = {}
-    for rdef in RATIOS:
-        values = [ratio(r.get(rdef.numerator), r.get(rdef.denominator)) for r in repeats]
-        med = median(values)
-        ratios[rdef.key] = {"label": rdef.label, "values": values, "median": med, **verdict(med, rdef.goals.get(shape))}
+    ratios = {rdef.key: paired(repeats, rdef.numerator, rdef.denominator, rdef.label, rdef.goals.get(shape)) for rdef in RATIOS}
     return {"repeats": repeats, "median_examples_per_second": medians, "ratios": ratios}
 
 
 def summarize_goodput(repeats: list[dict[str, float | None]]) -> dict[str, Any]:
-    """repeats: [{"raw_tcp": MiB/s, "tfps": MiB/s}, ...], each pair measured back to back."""
-    values = [ratio(r.get("tfps"), r.get("raw_tcp")) for r in repeats]
-    med = median(values)
-    out = {
+    """repeats: [{"raw_tcp": MiB/s, "tfps": MiB/s, "grpc_echo": MiB/s}, ...], each measured back to back."""
+    return {
         "repeats": repeats,
         "median_mib_per_second": {k: median([r.get(k) for r in repeats]) for k in ("raw_tcp", "tfps", "grpc_echo")},
-        "ratio": {"label": "tfps PS push+pull / raw TCP", "values": values, "median": med, **verdict(med, GOODPUT_GOAL)},
+        "ratio": paired(repeats, "tfps", "raw_tcp", "tfps PS push+pull / raw TCP", GOODPUT_GOAL),
+        # No goal of their own: where grpcio alone stands, and how much of it tfps keeps.
+        "grpc_ratio": paired(repeats, "grpc_echo", "raw_tcp", "grpcio alone (echo) / raw TCP", None),
+        "tfps_vs_grpc": paired(repeats, "tfps", "grpc_echo", "tfps PS push+pull / grpcio alone", None),
     }
-    # No goal of their own: where grpcio alone stands, and how much of it tfps keeps.
-    for key, num, den, label in (("grpc_ratio", "grpc_echo", "raw_tcp", "grpcio alone (echo) / raw TCP"),
-                                 ("tfps_vs_grpc", "tfps", "grpc_echo", "tfps PS push+pull / grpcio alone")):
-        vals = [ratio(r.get(num), r.get(den)) for r in repeats]
-        out[key] = {"label": label, "values": vals, "median": median(vals), **verdict(median(vals), None)}
-    return out
 
 
 def goals_summary(report: dict[str, Any]) -> dict[str, int]:
@@ -162,12 +160,10 @@ def render(report: dict[str, Any], console) -> None:
         gp = report["goodput"]
         med = gp["median_mib_per_second"]
         label = f"{gp['ratio']['label']} ({_fmt_rate(med['tfps'])} / {_fmt_rate(med['raw_tcp'])} MiB/s)"
-        per = " ".join(_fmt(v) for v in gp["ratio"]["values"])
-        ratios.add_row("goodput", label, per, _fmt(gp["ratio"]["median"]), _status_markup(gp["ratio"]))
-        for key in ("grpc_ratio", "tfps_vs_grpc"):
-            if key in gp:
-                entry = gp[key]
-                ratios.add_row("goodput", entry["label"], " ".join(_fmt(v) for v in entry["values"]), _fmt(entry["median"]), "")
+        for key in ("ratio", "grpc_ratio", "tfps_vs_grpc"):
+            entry = gp[key]
+            per = " ".join(_fmt(v) for v in entry["values"])
+            ratios.add_row("goodput", label if key == "ratio" else entry["label"], per, _fmt(entry["median"]), _status_markup(entry))
     console.print(ratios)
 
     for error in report.get("errors", []):

@@ -192,20 +192,15 @@ class Shard:
             batch = int(meta.get("batch", 0))
             loss = meta.get("loss")
             loss = None if loss is None else float(loss)
+            seq = None if meta.get("seq") is None else int(meta["seq"])
+            # the cluster size in the worker's TF_CONFIG: larger than this PS's after a scale-up
+            claimed = min(int(meta.get("workers", self.num_workers)), MAX_WORKERS)
         except (TypeError, ValueError) as err:
             raise Rejected("malformed", f"bad request fields: {err}") from None
-        try:  # the cluster size in the worker's TF_CONFIG: larger than this PS's after a scale-up
-            claimed = min(int(meta.get("workers", self.num_workers)), MAX_WORKERS)
-        except (TypeError, ValueError):
-            raise Rejected("malformed", f"bad request field workers: {meta.get('workers')!r}") from None
         if not 0 <= worker < max(self.num_workers, claimed):
             raise Rejected("malformed", f"worker {worker} is not in the cluster (0..{max(self.num_workers, claimed) - 1})")
         if batch < 0 or (loss is not None and not math.isfinite(loss)):
             raise Rejected("non_finite" if loss is not None and not math.isfinite(loss) else "malformed", "batch must be >= 0 and loss finite")
-        try:
-            seq = None if meta.get("seq") is None else int(meta["seq"])
-        except (TypeError, ValueError):
-            raise Rejected("malformed", f"bad request field seq: {meta.get('seq')!r}") from None
         req = _Request(worker, tag, pull, min_version, batch, loss, bool(meta.get("dense", True)), seq)
         for name, arr in msg.tensors.items():
             base, _, kind = name.partition(":")
