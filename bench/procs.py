@@ -5,25 +5,17 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 
-log = logging.getLogger("tfps.bench")
+from tfps.runtime.ports import LOOPBACK, free_port  # noqa: F401 - the benchmarks take both from here
 
-LOOPBACK = "127.0.0.1"
+log = logging.getLogger("tfps.bench")
 
 
 class MeasurementError(RuntimeError):
     """A measurement's process failed or printed no result."""
-
-
-def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:

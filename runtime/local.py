@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import auth
+from .ports import LOOPBACK, free_port
 from .process import ENV_INTRA_OP_THREADS, ENV_RESULT_FILE
 from .spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob, load_manifest
 from .tfconfig import (
@@ -39,37 +38,9 @@ from .tfconfig import (
     tf_config,
 )
 
-LOOPBACK = "127.0.0.1"
 POLL_SECONDS = 0.25
 
 
-EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, below the kernel's ephemeral range. A port from that
-    range (what binding port 0 gives) can be taken by the local end of any outgoing
-    connection, a worker's to another PS for one, before the replica it is meant for binds it."""
-    try:
-        low = int(open(EPHEMERAL_RANGE).read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.Random()
-    for _ in range(100):
-        port = rng.randrange(max(1024, low - 12000), low)
-        if port in _handed_out:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((LOOPBACK, port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a crowded machine: any free port
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

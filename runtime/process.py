@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from .malloc import keep_large_buffers
 from .spec import TrainingSpec
@@ -107,7 +108,7 @@ def cgroup_cpus(path: str = CGROUP_CPU_MAX) -> int | None:
     """The CPUs this process may use by its cgroup's quota (a pod's CPU limit), rounded up;
     None without a quota."""
     try:
-        quota, period = open(path).read().split()[:2]
+        quota, period = Path(path).read_text().split()[:2]
         return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
     except (OSError, ValueError):
         return None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+
+from tfps.runtime.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "trainingjob.yaml", REPO / "crds" / "kopf-peering.yaml"]
@@ -34,12 +35,6 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float = 30, interval: fl
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_manifest(name: str, ps: int = 2, workers: int = 4, *, policy: str = "OnFailure", template=UNSCHEDULABLE,

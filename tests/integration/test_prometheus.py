@@ -20,7 +20,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import pytest
 import yaml
 
 from tfps.runtime import tfconfig
+from tfps.runtime.ports import free_port
 from tfps.runtime.spec import ReplicaType, TrainingJobSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -67,12 +67,6 @@ def _helm() -> str | None:
     finally:
         sys.path.pop(0)
     return find_helm()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _podmonitor() -> dict:
@@ -171,7 +165,7 @@ def scraped_run(tmp_path_factory):
     rules = prom.alert_rules_from_chart(RULES_FILE, workdir / "rules.yaml")
     config = workdir / "prometheus.yml"
     config.write_text(yaml.safe_dump(prom.prometheus_config([scrape], [str(rules)]), sort_keys=False))
-    port = _free_port()
+    port = free_port()
     server = prom.start(config, workdir / "tsdb", port, workdir / "prometheus.log")
     api = prom.API(f"http://127.0.0.1:{port}")
     run.start()
