@@ -21,6 +21,7 @@ from . import naming
 from .config import OperatorConfig
 from .controller import Controller
 from .metrics import OperatorMetrics
+from .status import unschedulable_reason
 
 RETRY_SECONDS = 2.0  # after an API error, before the next attempt
 # Pod events come in bursts (10 pods created, then scheduled, then started): one pass
@@ -89,9 +90,8 @@ def _pod_state(pod: kopf.Body) -> tuple[str, bool, int, bool]:
     """What of a pod can change a job's status: phase, deletion, restarts, unschedulable."""
     status = pod.get("status") or {}
     restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
-    unschedulable = any(c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
-                        for c in status.get("conditions") or [])
-    return status.get("phase") or "Pending", bool(pod.get("metadata", {}).get("deletionTimestamp")), restarts, unschedulable
+    return (status.get("phase") or "Pending", bool(pod.get("metadata", {}).get("deletionTimestamp")), restarts,
+            unschedulable_reason(status) is not None)
 
 
 def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:

@@ -27,6 +27,12 @@ def parse_time(value: str | None) -> datetime | None:
     return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
 
 
+def unschedulable_reason(status: dict[str, Any]) -> str | None:
+    """The scheduler's message while it cannot place the pod whose `status` this is, else None."""
+    return next((c.get("message") or "no node fits" for c in status.get("conditions") or []
+                 if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"), None)
+
+
 @dataclass(frozen=True)
 class PodView:
     """The facts about one child pod that decisions need."""
@@ -64,9 +70,7 @@ class PodView:
             reason=terminated.get("reason") or status.get("reason"),
             pod_ip=status.get("podIP"),
             message=terminated.get("message"),
-            unschedulable=next((c.get("message") or "no node fits" for c in status.get("conditions") or []
-                                if c.get("type") == "PodScheduled" and c.get("status") == "False"
-                                and c.get("reason") == "Unschedulable"), None),
+            unschedulable=unschedulable_reason(status),
         )
 
     @property
