@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from .procs import LOOPBACK, child_env, free_port, kill_group, module_cmd
 
@@ -89,8 +90,7 @@ def echo_server(port_file: str, mib: float) -> None:
     from tfps.runtime.malloc import keep_large_buffers
 
     keep_large_buffers()  # as the PS does
-    reply = bytes(int(mib * MIB))
-    chunks = [reply[i:i + wire.CHUNK_BYTES] for i in range(0, len(reply), wire.CHUNK_BYTES)]
+    chunks = list(wire.iter_chunks(bytes(int(mib * MIB))))
 
     def echo(request_iterator, context):
         wire.join(request_iterator)
@@ -101,8 +101,7 @@ def echo_server(port_file: str, mib: float) -> None:
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port(f"{LOOPBACK}:0")
     server.start()
-    with open(port_file, "w") as fh:
-        fh.write(str(port))
+    Path(port_file).write_text(str(port))
     server.wait_for_termination()
 
 
@@ -113,20 +112,20 @@ def grpc_echo_mib_per_second(mib: float, seconds: float) -> float:
     from tfps.runtime import wire
 
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "port")
+        port_file = Path(tmp) / "port"
         proc = subprocess.Popen(
-            module_cmd("tfps.bench.goodput", "--echo-server", port_file, "--mib", str(mib)), env=child_env(),
+            module_cmd("tfps.bench.goodput", "--echo-server", str(port_file), "--mib", str(mib)), env=child_env(),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 60
-            while not os.path.exists(port_file) or not open(port_file).read():
+            while not port_file.exists() or not port_file.read_text():
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the grpcio echo server did not start")
                 time.sleep(0.1)
-            address = f"{LOOPBACK}:{open(port_file).read()}"
+            address = f"{LOOPBACK}:{port_file.read_text()}"
             payload = bytes(int(mib * MIB))
-            chunks = [payload[i:i + wire.CHUNK_BYTES] for i in range(0, len(payload), wire.CHUNK_BYTES)]
+            chunks = list(wire.iter_chunks(payload))
             with grpc.insecure_channel(address, options=wire.GRPC_OPTIONS) as channel:
                 call = channel.stream_stream("/echo/Echo")
                 wire.join(call(iter(chunks)))  # warm-up
