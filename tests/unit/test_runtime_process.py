@@ -1,10 +1,11 @@
 """What PS and worker processes read from their environment, and `tfps local`'s restart rules."""
 import json
+import subprocess
+import sys
 
 import pytest
 
 from tfps.runtime.local import Fault, LocalRun
-from tfps.runtime.malloc import keep_large_buffers
 from tfps.runtime.process import ProcessConfig, cgroup_cpus
 from tfps.runtime.spec import TrainingJob
 
@@ -87,8 +88,30 @@ def test_threads_follow_the_pod_cpu_limit(tmp_path, content, cpus):
     assert cgroup_cpus(str(tmp_path / "absent")) is None
 
 
-def test_large_buffers_are_kept_in_the_heap():
-    assert keep_large_buffers() is True  # glibc here: mallopt takes every setting
+_MALLINFO = r"""
+import ctypes, sys
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "tuned":
+    from tfps.runtime.malloc import keep_large_buffers
+    assert keep_large_buffers()
+block = bytearray(16 << 20)  # a step's message
+mmapped = libc.mallinfo2().hblkhd
+del block
+print(mmapped >= 16 << 20, libc.mallinfo2().fordblks >= 16 << 20)
+"""
+
+
+@pytest.mark.parametrize("mode, mmapped, kept", [("default", True, False), ("tuned", False, True)])
+def test_large_buffers_are_kept_in_the_heap(mode, mmapped, kept):
+    """glibc's own accounting (mallinfo2), in a fresh process each: by default a 16 MiB block
+    is mmapped and given back when freed; with keep_large_buffers it comes from the heap and
+    stays there for the next step's message."""
+    out = subprocess.run([sys.executable, "-c", _MALLINFO, mode], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(mmapped), str(kept)]
 
 
 def test_fault_syntax():
