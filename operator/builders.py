@@ -66,6 +66,7 @@ def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
             "publishNotReadyAddresses": True,
             "ports": [
                 {"name": naming.GRPC_PORT_NAME, "port": config.ports.grpc, "targetPort": config.ports.grpc},
+                {"name": naming.DATA_PORT_NAME, "port": config.ports.data, "targetPort": config.ports.data},
                 {"name": naming.METRICS_PORT_NAME, "port": config.ports.metrics, "targetPort": config.ports.metrics},
             ],
         },
@@ -89,6 +90,8 @@ def _runtime_env(job: TrainingJob, rtype: ReplicaType, index: int, config: Opera
         {"name": tfconfig.ENV_BIND_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": tfconfig.ENV_METRICS_PORT, "value": str(config.ports.metrics)},
     ]
+    if rtype is ReplicaType.PS:
+        env.append({"name": tfconfig.ENV_DATA_PORT, "value": str(config.ports.data)})
     return env
 
 
@@ -115,6 +118,8 @@ def _container(job: TrainingJob, rtype: ReplicaType, index: int, config: Operato
     c["env"] = _merge_named(_runtime_env(job, rtype, index, config), c.get("env") or [], "name", ours_win=True)
     ports = [{"name": naming.GRPC_PORT_NAME, "containerPort": config.ports.grpc, "protocol": "TCP"},
              {"name": naming.METRICS_PORT_NAME, "containerPort": config.ports.metrics, "protocol": "TCP"}]
+    if rtype is ReplicaType.PS:
+        ports.insert(1, {"name": naming.DATA_PORT_NAME, "containerPort": config.ports.data, "protocol": "TCP"})
     c["ports"] = _merge_named(ports, c.get("ports") or [], "name", ours_win=False)
     resources = c.get("resources") or copy.deepcopy(config.resources.get(rtype, {}))
     gpus = (resources.get("requests") or {}).get(naming.GPU_RESOURCE)

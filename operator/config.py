@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from tfps.runtime.spec import ReplicaType
-from tfps.runtime.tfconfig import GRPC_PORT, METRICS_PORT
+from tfps.runtime.tfconfig import DATA_PORT, GRPC_PORT, METRICS_PORT
 
 ENV_CONFIG_FILE = "TFPS_OPERATOR_CONFIG"
 
@@ -35,6 +35,7 @@ class Images(_Model):
 
 class Ports(_Model):
     grpc: int = Field(GRPC_PORT, ge=1, le=65535)
+    data: int = Field(DATA_PORT, ge=1, le=65535)
     metrics: int = Field(METRICS_PORT, ge=1, le=65535)
 
 

@@ -16,6 +16,7 @@ MANAGED_BY = "tfps-operator"
 
 CONTAINER_NAME = "tensorflow"  # TFJob's convention
 GRPC_PORT_NAME = "tfps"
+DATA_PORT_NAME = "tfps-data"  # a PS's data path (runtime/datapath.py)
 METRICS_PORT_NAME = "metrics"
 GPU_RESOURCE = "nvidia.com/gpu"
 

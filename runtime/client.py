@@ -1,20 +1,25 @@
 """The worker's side of the PS protocol: one `ShardClient` per PS, with retries.
 
-A PS that is down (restarting, or not up yet) answers UNAVAILABLE; the client retries
-with exponential backoff for up to `retry_seconds`, counting each retry. Anything else
-(INVALID_ARGUMENT above all) is fatal: retrying a malformed request cannot help.
+Steps go over the PS's data path (runtime/datapath.py) when it offers one, over gRPC
+otherwise. A PS that is down (restarting, or not up yet) answers UNAVAILABLE, or its data
+connection breaks; the client retries with exponential backoff for up to `retry_seconds`,
+counting each retry, and reconnects (a restarted PS may listen on another data port).
+Anything else (INVALID_ARGUMENT above all) is fatal: retrying a malformed request cannot help.
 """
 from __future__ import annotations
 
 import json
 import logging
 import random
+import socket
+import threading
 import time
 
 import grpc
 
-from . import wire
+from . import datapath, wire
 from .auth import ClientSecurity
+from .datapath import DataConnection, DataPathError
 from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.client")
@@ -36,7 +41,11 @@ class ShardClient:
         self.address, self.index = address, index
         self.retry_seconds = retry_seconds
         self.on_retry = on_retry
-        self.channel = (security or ClientSecurity(None)).channel(address, CLIENT_OPTIONS)
+        self.security = security or ClientSecurity(None)
+        self.channel = self.security.channel(address, CLIENT_OPTIONS)
+        self._data: DataConnection | None = None
+        self._data_wanted = datapath.wanted()
+        self._data_lock = threading.Lock()
         path = f"/{SERVICE}/"
         self._step = self.channel.unary_unary(path + "Step")
         self._step_stream = self.channel.stream_stream(path + "StepStream")
@@ -60,14 +69,50 @@ class ShardClient:
                 delay = min(delay * 2, 2.0)
 
     def step(self, meta: dict, tensors: dict, large: bool) -> wire.Message:
-        """One Step call (push and/or pull); `large` sends it as a chunked stream."""
+        """One Step call (push and/or pull). Over gRPC, `large` sends it as a chunked stream."""
+        return self._retry("Step", lambda: self._step_once(meta, tensors, large))
+
+    def _step_once(self, meta: dict, tensors: dict, large: bool) -> wire.Message:
+        with self._data_lock:
+            conn = self._data_connection()
+            if conn is not None:
+                try:
+                    return conn.step(meta, tensors)
+                except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
+                    self._drop_data()
+                    raise DataPathError(grpc.StatusCode.UNAVAILABLE, f"data connection to PS {self.index}: {err}") from None
+                except DataPathError:
+                    self._drop_data()
+                    raise
         if large:
-            chunks = wire.encode_chunks(meta, tensors)
-            call = lambda: wire.join(self._step_stream(iter(chunks), timeout=CALL_TIMEOUT))  # noqa: E731
-        else:
-            data = wire.encode(meta, tensors)
-            call = lambda: self._step(data, timeout=CALL_TIMEOUT)  # noqa: E731
-        return wire.decode(self._retry("Step", call))
+            return wire.decode(wire.join(self._step_stream(iter(wire.encode_chunks(meta, tensors)), timeout=CALL_TIMEOUT)))
+        return wire.decode(self._step(wire.encode(meta, tensors), timeout=CALL_TIMEOUT))
+
+    def _data_connection(self) -> DataConnection | None:
+        """The connection to the PS's data port, opened on first use; None: Steps go over gRPC."""
+        if self._data is not None or not self._data_wanted:
+            return self._data
+        port = self.status(timeout=CALL_TIMEOUT).get("data_port")
+        host = datapath.split_host(self.address)
+        if not port:
+            self._fall_back("the PS offers no data port", logging.INFO)
+            return None
+        try:
+            self._data = DataConnection(host, int(port), self.security.material, CALL_TIMEOUT)
+        except socket.timeout:  # dropped, not refused: a network policy without the data port
+            self._fall_back(f"no answer from {host}:{port} within {datapath.CONNECT_SECONDS} s", logging.WARNING)
+        except OSError as err:  # refused or reset: the PS is restarting
+            raise DataPathError(grpc.StatusCode.UNAVAILABLE, f"data port of PS {self.index}: {err}") from None
+        return self._data
+
+    def _fall_back(self, why: str, level: int) -> None:
+        self._data_wanted = False
+        log.log(level, json.dumps({"event": "grpc-steps", "ps": self.index, "detail": why}))
+
+    def _drop_data(self) -> None:
+        if self._data is not None:
+            self._data.close()
+            self._data = None
 
     def pull_full(self) -> wire.Message:
         return wire.decode(self._retry("PullFull", lambda: wire.join(self._pull_full(b"", timeout=CALL_TIMEOUT))))
@@ -79,4 +124,6 @@ class ShardClient:
         return json.loads(self._retry("Finish", lambda: self._finish(b"", timeout=CALL_TIMEOUT)))
 
     def close(self) -> None:
+        with self._data_lock:
+            self._drop_data()
         self.channel.close()

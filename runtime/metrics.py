@@ -83,4 +83,5 @@ class PSMetrics(_Bound):
         self.checkpoints = self._make(Counter, "tfps_ps_checkpoints_total", "Checkpoints of this shard written")
         self.checkpoint_step = self._make(Gauge, "tfps_ps_checkpoint_step", "Step of the last checkpoint written or restored")
         self.restored = self._make(Counter, "tfps_ps_restores_total", "Times this shard was restored from a checkpoint")
+        self.data_connections = self._make(Gauge, "tfps_ps_data_connections", "Workers connected to this shard's data path (Steps over gRPC do not count)")
         self.duplicates = self._make(Counter, "tfps_ps_duplicate_pushes_total", "Retried pushes already applied (their reply was lost), answered without applying them again")

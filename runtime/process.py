@@ -20,6 +20,7 @@ from .malloc import keep_large_buffers
 from .spec import TrainingSpec
 from .tfconfig import (
     ENV_BIND_ADDRESS,
+    ENV_DATA_PORT,
     ENV_JOB_NAME,
     ENV_METRICS_PORT,
     ENV_NAMESPACE,
@@ -45,6 +46,7 @@ class ProcessConfig:
     namespace: str
     bind_address: str
     metrics_port: int
+    data_port: int | None = 0  # None: no data path
 
     @property
     def own_port(self) -> int:
@@ -73,6 +75,7 @@ class ProcessConfig:
             namespace=env.get(ENV_NAMESPACE, "default"),
             bind_address=env.get(ENV_BIND_ADDRESS, "0.0.0.0"),
             metrics_port=int(env.get(ENV_METRICS_PORT, METRICS_PORT)),
+            data_port=None if env.get(ENV_DATA_PORT) == "off" else int(env.get(ENV_DATA_PORT) or 0),
         )
 
 

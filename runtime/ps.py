@@ -42,6 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import checkpoint, wire
 from .auth import ServerSecurity
+from .datapath import DataServer, split_host
 from .metrics import PSMetrics
 from .models import Param
 from .optimizers import ShardOptimizer
@@ -55,6 +56,8 @@ BFLOAT16 = np.dtype(wire.DTYPES["bfloat16"])
 _BF16_EXPONENT = np.uint16(0x7F80)
 DENSE_WIRE_DTYPES = (np.dtype(np.float32), BFLOAT16)  # dense gradients may come as either
 MAX_WORKERS = 100_000  # bounds the worker slots a request can make a PS allocate
+# How a Step reply is encoded, per transport (Shard.step's `encoding`).
+ENCODERS = {"bytes": wire.encode, "chunks": wire.encode_chunks, "pieces": wire.pieces}
 
 
 class Rejected(wire.WireError):
@@ -332,9 +335,10 @@ class Shard:
             return self.clocks[req.worker] - min(self.clocks[w] for w in live) <= self.bound
         return True
 
-    def step(self, data: bytes, chunked: bool = False) -> bytes | list[bytes]:
+    def step(self, data: bytes | memoryview, encoding: str = "bytes") -> bytes | list:
         """Handle one Step request (push and/or pull); raises Rejected on bad input.
-        The reply is one message, or its chunks for the streaming call."""
+        The reply is encoded for its transport (ENCODERS): one message for a unary call,
+        its chunks for the streaming call, its uncopied pieces for the data path."""
         try:
             req = self._parse(wire.decode(data))
         except wire.WireError as err:
@@ -371,7 +375,7 @@ class Shard:
             self.metrics.workers_live.set(len(self.live_workers()))
             # In sync mode every worker gets the same reply for a version: encode it once.
             shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
-            if shared and self._shared_reply[:2] == (self.version, chunked):
+            if shared and self._shared_reply[:2] == (self.version, encoding):
                 out = self._shared_reply[2]
                 self.metrics.bytes_out.inc(_size(out))
                 return out
@@ -394,9 +398,9 @@ class Shard:
         # Serialise outside the lock: the tensors read above are snapshots (TF copies a
         # variable's buffer on the next update while a reader still holds it).
         arrays = {k: np.asarray(v) for k, v in tensors.items()}
-        out = wire.encode_chunks(meta, arrays) if chunked else wire.encode(meta, arrays)
+        out = ENCODERS[encoding](meta, arrays)
         if shared:
-            self._shared_reply = (meta["version"], chunked, out)
+            self._shared_reply = (meta["version"], encoding, out)
         self.metrics.bytes_out.inc(_size(out))
         return out
 
@@ -509,17 +513,26 @@ def _finite(arr: np.ndarray) -> bool:
     return math.isfinite(float(arr.sum()))
 
 
-def _size(out: bytes | list[bytes]) -> int:
+def _size(out: bytes | list) -> int:
     return len(out) if isinstance(out, bytes) else sum(len(c) for c in out)
 
 
-def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
+def _refuser(shard: Shard):
+    """Counts and logs a refused request (either transport)."""
+    def refused(reason: str, detail: str) -> None:
+        shard.metrics.rejected.labels(reason=reason).inc()
+        log.warning(json.dumps({"event": "rejected", "ps": shard.index, "reason": reason, "detail": detail}))
+    return refused
+
+
+def _handlers(shard: Shard, data_port: int | None) -> grpc.GenericRpcHandler:
+    refused = _refuser(shard)
+
     def guarded(fn, data: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             return fn(data)
         except Rejected as err:
-            shard.metrics.rejected.labels(reason=err.reason).inc()
-            log.warning(json.dumps({"event": "rejected", "ps": shard.index, "reason": err.reason, "detail": str(err)}))
+            refused(err.reason, str(err))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.reason}: {err}")
 
     def step(request: bytes, context) -> bytes:
@@ -531,7 +544,7 @@ def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
                 data = wire.join(chunks, limit=shard.max_request_bytes)
             except wire.WireError as err:
                 raise Rejected(err.reason, str(err)) from None
-            return shard.step(data, chunked=True)
+            return shard.step(data, encoding="chunks")
 
         return iter(guarded(joined_step, request_iterator, context))
 
@@ -539,7 +552,7 @@ def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
         return iter(shard.pull_full())
 
     def status(request: bytes, context) -> bytes:
-        return json.dumps(shard.status()).encode()
+        return json.dumps({**shard.status(), "data_port": data_port}).encode()
 
     def finish(request: bytes, context) -> bytes:
         step = shard.checkpoint_now()
@@ -557,19 +570,43 @@ def _handlers(shard: Shard) -> grpc.GenericRpcHandler:
     )
 
 
-def serve(shard: Shard, address: str, max_workers: int = 16, security: ServerSecurity | None = None) -> tuple[grpc.Server, int]:
-    """Start the gRPC server for `shard` on `address` (host:port); returns it and the bound port.
-    Without `security` it is open and plaintext (tests on loopback)."""
+class PSServer:
+    """The PS's gRPC server and its data path (runtime/datapath.py), stopped together."""
+
+    def __init__(self, grpc_server: grpc.Server, data: DataServer | None):
+        self.grpc, self.data = grpc_server, data
+
+    @property
+    def data_port(self) -> int | None:
+        return self.data.port if self.data is not None else None
+
+    def stop(self, grace: float | None):
+        if self.data is not None:
+            self.data.close()
+        return self.grpc.stop(grace)
+
+
+def serve(shard: Shard, address: str, max_workers: int = 16, security: ServerSecurity | None = None,
+          data_port: int | None = 0) -> tuple[PSServer, int]:
+    """Start the gRPC server for `shard` on `address` (host:port), and its data path on
+    `data_port` of the same host (0: any free port; None: no data path, Steps over gRPC
+    only); returns them and the bound gRPC port. Without `security` both are open and
+    plaintext (tests on loopback)."""
     security = security or ServerSecurity(None)
+    data = None
+    if data_port is not None:
+        data = DataServer(shard, split_host(address), data_port, security.material, _refuser(shard))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"), options=GRPC_OPTIONS,
                          interceptors=security.interceptors(shard.metrics, shard.index))
-    server.add_generic_rpc_handlers((_handlers(shard),))
+    server.add_generic_rpc_handlers((_handlers(shard, data.port if data else None),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = security.add_port(server, address)
     if port == 0:
+        if data is not None:
+            data.close()
         raise OSError(f"cannot bind the PS gRPC server on {address}")
     server.start()
     for name in ("", SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    return PSServer(server, data), port

@@ -55,9 +55,10 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_root=cfg.training.checkpoint.path,
         worker_timeout=float(os.environ.get(ENV_WORKER_TIMEOUT, 10.0)),
     )
-    server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security)
+    server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security, data_port=cfg.data_port)
     log.info(json.dumps({
-        "event": "serving", "address": cfg.listen_address(port), "metrics_port": metrics_port, "step": shard.version,
+        "event": "serving", "address": cfg.listen_address(port), "data_port": server.data_port, "metrics_port": metrics_port,
+        "step": shard.version,
         "parts": len(plan.for_ps(index)), "parameters": sum(p.size for p in plan.for_ps(index)),
         "mode": cfg.training.consistency.mode.value,
         "auth": security.material is not None, "tls": cfg.training.tls,

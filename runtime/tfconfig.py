@@ -13,6 +13,7 @@ from typing import Callable
 from .spec import ReplicaType, TrainingJobSpec
 
 GRPC_PORT = 2222
+DATA_PORT = 2223  # a PS's data path (runtime/datapath.py)
 METRICS_PORT = 9090
 # Evaluators do not take part in training, so (as in TFJob) they are not in `cluster`.
 CLUSTER_TYPES = (ReplicaType.CHIEF, ReplicaType.PS, ReplicaType.WORKER)
@@ -23,6 +24,7 @@ ENV_NAMESPACE = "TFPS_NAMESPACE"
 ENV_TRAINING = "TFPS_TRAINING"  # JSON of spec.training (manifest field names)
 ENV_BIND_ADDRESS = "TFPS_BIND_ADDRESS"  # the pod IP, from the downward API
 ENV_METRICS_PORT = "TFPS_METRICS_PORT"
+ENV_DATA_PORT = "TFPS_DATA_PORT"  # PS: the data path's port; 0 or unset: any free port; "off": none
 
 
 def pod_name(job: str, rtype: ReplicaType, index: int) -> str:

@@ -49,7 +49,8 @@ class Message:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def _pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
+def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
+    """The message as its parts (length, header, each tensor's bytes), none of them copied."""
     entries, bufs = [], []
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
@@ -60,13 +61,13 @@ def _pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
 
 
 def encode(meta: dict, tensors: dict[str, np.ndarray] | None = None) -> bytes:
-    return b"".join(_pieces(meta, tensors or {}))
+    return b"".join(pieces(meta, tensors or {}))
 
 
 def encode_chunks(meta: dict, tensors: dict[str, np.ndarray] | None = None, chunk: int = CHUNK_BYTES) -> list[bytes]:
     """The message as chunks of at most `chunk` bytes, one copy of each byte."""
     out, cur, size = [], [], 0
-    for piece in _pieces(meta, tensors or {}):
+    for piece in pieces(meta, tensors or {}):
         view = memoryview(piece) if not isinstance(piece, memoryview) else piece
         while len(view):
             take = min(len(view), chunk - size)

@@ -1,6 +1,7 @@
-"""Malformed input to a real PS over gRPC is refused with INVALID_ARGUMENT, counted in
-tfps_ps_rejected_requests_total{reason}, and leaves the parameters untouched; so are oversize
-messages and a flood of bad pushes, after which the PS still serves."""
+"""Malformed input to a real PS, over gRPC or over its data path, is refused with
+INVALID_ARGUMENT, counted in tfps_ps_rejected_requests_total{reason}, and leaves the
+parameters untouched; so are oversize messages and a flood of bad pushes, after which the PS
+still serves."""
 import json
 import time
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from tfps.runtime import wire
+from tfps.runtime.datapath import DataConnection
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.spec import TrainingSpec
 
@@ -26,6 +28,19 @@ def cluster():
 def _step(cluster, data: bytes) -> bytes:
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
         return channel.unary_unary(f"/{wire.SERVICE}/Step")(data, timeout=10)
+
+
+def _data_step(cluster, data: bytes) -> bytes:
+    """The same Step message as one frame on the PS's data port (runtime/datapath.py)."""
+    conn = DataConnection("127.0.0.1", cluster.servers[0].data_port, None, timeout=10)
+    try:
+        reply = conn.call([data])
+    finally:
+        conn.close()
+    return wire.encode(reply.meta, reply.tensors)
+
+
+TRANSPORTS = {"grpc": _step, "data-path": _data_step}
 
 
 def _good():
@@ -62,13 +77,14 @@ def _bad_requests():
     ]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("reason, data", _bad_requests(), ids=[r for r, _ in _bad_requests()])
-def test_malformed_push_is_refused_and_changes_nothing(cluster, reason, data):
+def test_malformed_push_is_refused_and_changes_nothing(cluster, reason, data, transport):
     before = cluster.parameters()
     version = cluster.shards[0].version
     count = _rejected(cluster, reason)
     with pytest.raises(grpc.RpcError) as err:
-        _step(cluster, data)
+        TRANSPORTS[transport](cluster, data)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason in err.value.details()
     assert _rejected(cluster, reason) == count + 1
@@ -78,10 +94,15 @@ def test_malformed_push_is_refused_and_changes_nothing(cluster, reason, data):
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
 
 
-def test_a_good_push_is_applied(cluster):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_good_push_is_applied(cluster, transport):
+    _push_good(cluster, transport)
+
+
+def _push_good(cluster, transport: str = "grpc") -> None:
     version = cluster.shards[0].version
     grad = np.ones((4 * 16 + 8, 64), np.float32)
-    reply = wire.decode(_step(cluster, wire.encode({"worker": 0, "tag": version, "pull": True, "batch": 1}, {"dense_0/kernel": grad})))
+    reply = wire.decode(TRANSPORTS[transport](cluster, wire.encode({"worker": 0, "tag": version, "pull": True, "batch": 1}, {"dense_0/kernel": grad})))
     assert reply.meta["version"] == version + 1
     assert cluster.shards[0].version == version + 1
 
@@ -209,7 +230,7 @@ def test_flood_of_bad_pushes_is_refused_and_ps_stays_up(cluster, record_property
     assert codes == {grpc.StatusCode.INVALID_ARGUMENT: sent}, codes
     assert _total_rejected(cluster) == rejected + sent
     _assert_alive_and_unchanged(cluster, before, version)
-    test_a_good_push_is_applied(cluster)
+    _push_good(cluster)
 
 
 def test_stream_over_the_size_limit_is_refused(cluster):

@@ -308,11 +308,11 @@ def test_operator_config_is_what_the_operator_reads():
 
     cfg = OperatorConfig.model_validate(_operator_config(render(
         "runtime.images.ps.repository=registry.example/ml/ps", "runtime.images.ps.tag=dev",
-        "runtime.images.worker.digest=sha256:" + "a" * 64, "runtime.ports.grpc=3333",
+        "runtime.images.worker.digest=sha256:" + "a" * 64, "runtime.ports.grpc=3333", "runtime.ports.data=3334",
     )))
     assert cfg.images.ps == "registry.example/ml/ps:dev"
     assert cfg.images.worker == "tfps/worker@sha256:" + "a" * 64
-    assert cfg.ports.grpc == 3333
+    assert cfg.ports.grpc == 3333 and cfg.ports.data == 3334
 
 
 @needs_helm

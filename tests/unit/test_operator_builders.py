@@ -57,6 +57,9 @@ def test_runtime_env_args_ports_and_images():
     assert env["TFPS_BIND_ADDRESS"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert (env["TFPS_JOB_NAME"], env["TFPS_NAMESPACE"], env["TFPS_METRICS_PORT"]) == ("digits", "ml", "9090")
     assert {p["containerPort"] for p in c_w["ports"]} == {2222, 9090}
+    # the PS also serves its data path, and says where
+    assert {(p["name"], p["containerPort"]) for p in c_ps["ports"]} == {("tfps", 2222), ("tfps-data", 2223), ("metrics", 9090)}
+    assert _env(ps)["TFPS_DATA_PORT"] == "2223" and "TFPS_DATA_PORT" not in env
     assert c_w["securityContext"]["readOnlyRootFilesystem"] is True
     assert {"name": "tmp", "emptyDir": {}} in worker["spec"]["volumes"]
     assert worker["spec"]["restartPolicy"] == "OnFailure"
@@ -102,11 +105,12 @@ def test_service_is_headless_and_selects_the_job():
 
 def test_config_changes_images_and_ports(tmp_path):
     path = tmp_path / "config.yaml"
-    path.write_text("images: {ps: reg.local/ps:2, worker: reg.local/w:2}\nports: {grpc: 3333, metrics: 9191}\n")
+    path.write_text("images: {ps: reg.local/ps:2, worker: reg.local/w:2}\nports: {grpc: 3333, data: 3334, metrics: 9191}\n")
     config = OperatorConfig.load(path)
     pod = builders.build_pod(_job(), ReplicaType.PS, 1, config)
     (c,) = pod["spec"]["containers"]
-    assert c["image"] == "reg.local/ps:2" and {p["containerPort"] for p in c["ports"]} == {3333, 9191}
+    assert c["image"] == "reg.local/ps:2" and {p["containerPort"] for p in c["ports"]} == {3333, 3334, 9191}
+    assert _env(pod)["TFPS_DATA_PORT"] == "3334"
     assert json.loads(_env(pod)["TF_CONFIG"])["cluster"]["ps"][1] == "digits-ps-1.digits.ml.svc:3333"
 
 

@@ -81,7 +81,7 @@ def test_loopback_certificate_has_ip_names():
     assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
 
 
-def test_network_policy_admits_grpc_only_from_the_same_job_and_metrics_from_anyone():
+def test_network_policy_admits_grpc_and_data_path_only_from_the_same_job_and_metrics_from_anyone():
     job, config = _job(), OperatorConfig()
     policy = security.build_network_policy(job, config)
     assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["kind"] == "NetworkPolicy"
@@ -91,7 +91,7 @@ def test_network_policy_admits_grpc_only_from_the_same_job_and_metrics_from_anyo
     assert spec["podSelector"] == {"matchLabels": {naming.LABEL_JOB: "digits"}}
     assert spec["policyTypes"] == ["Ingress"]
     grpc_rule, metrics_rule = spec["ingress"]
-    assert grpc_rule["ports"] == [{"protocol": "TCP", "port": 2222}]
+    assert grpc_rule["ports"] == [{"protocol": "TCP", "port": 2222}, {"protocol": "TCP", "port": 2223}]
     assert grpc_rule["from"] == [{"podSelector": {"matchLabels": {naming.LABEL_JOB: "digits"}}}]
     assert metrics_rule == {"ports": [{"protocol": "TCP", "port": 9090}]}  # no `from`: anyone
 

@@ -75,6 +75,7 @@ images:
   pullPolicy: {{ $rt.images.pullPolicy }}
 ports:
   grpc: {{ $rt.ports.grpc }}
+  data: {{ $rt.ports.data }}
   metrics: {{ $rt.ports.metrics }}
 resources:
   {{- toYaml $rt.resources | nindent 2 }}

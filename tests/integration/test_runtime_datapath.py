@@ -1,0 +1,169 @@
+"""The PS data path (runtime/datapath.py): workers send their Steps over a plain socket when
+the PS offers one, and over gRPC when it does not or when told not to; the port admits only
+the job's token; frames it cannot read are refused, counted, and change nothing.
+Real PS servers and workers in one process, real sockets on 127.0.0.1."""
+import socket
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from tfps.runtime import wire
+from tfps.runtime.auth import Material, ServerSecurity
+from tfps.runtime.datapath import ENV_DATA_PATH, FRAME, DataConnection, DataPathError
+from tfps.runtime.inprocess import InProcessCluster
+from tfps.runtime.metrics import Identity, PSMetrics, WorkerMetrics
+from tfps.runtime.ps import Shard, serve
+from tfps.runtime.sharding import place
+from tfps.runtime.spec import TrainingSpec
+from tfps.runtime.worker import Worker
+
+pytestmark = pytest.mark.integration
+
+TRAINING = TrainingSpec.model_validate({"model": "digits-mlp", "modelArgs": {"hidden": [16]}, "steps": 1000,
+                                        "consistency": {"mode": "async"}, "optimizer": {"name": "sgd", "learningRate": 0.1}})
+LABELS = {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0"}
+
+
+def _sample(shard, name: str, **labels) -> float:
+    return shard.metrics.registry.get_sample_value(name, {**LABELS, **labels}) or 0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with InProcessCluster(TRAINING, num_ps=1, num_workers=2) as c:
+        yield c
+
+
+def _train_steps(cluster, index: int, steps: int = 3) -> Worker:
+    worker = cluster.worker(index)
+    worker.pull()
+    for _ in range(steps):
+        worker.train_step()
+    return worker
+
+
+def test_workers_step_over_the_data_path(cluster):
+    shard = cluster.shards[0]
+    status = cluster.worker(0).clients[0].status()
+    assert status["data_port"] == cluster.servers[0].data_port > 0
+    version = shard.version
+    worker = _train_steps(cluster, 0)
+    try:
+        assert _sample(shard, "tfps_ps_data_connections") == 1
+        assert shard.version == version + 3
+        assert worker.versions[0] == shard.version
+    finally:
+        worker.close()
+    assert _eventually(lambda: _sample(shard, "tfps_ps_data_connections") == 0)
+
+
+def _eventually(check, seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_worker_told_not_to_uses_grpc(cluster, monkeypatch):
+    monkeypatch.setenv(ENV_DATA_PATH, "0")
+    shard = cluster.shards[0]
+    assert _eventually(lambda: _sample(shard, "tfps_ps_data_connections") == 0)
+    version = shard.version
+    worker = _train_steps(cluster, 1)
+    try:
+        assert shard.version == version + 3
+        assert _sample(shard, "tfps_ps_data_connections") == 0
+    finally:
+        worker.close()
+
+
+def test_a_ps_without_a_data_port_is_reached_over_grpc():
+    model = InProcessCluster(TRAINING).model()
+    shard = Shard(place(model.params, 1).for_ps(0), {p.name: p for p in model.params}, TRAINING, 1, 0,
+                  PSMetrics(Identity("inprocess", "default", "ps", 0)))
+    server, port = serve(shard, "127.0.0.1:0", data_port=None)
+    try:
+        worker = Worker(model, TRAINING, [f"127.0.0.1:{port}"], 1, 0, WorkerMetrics(Identity("inprocess", "default", "worker", 0)))
+        worker.pull()
+        worker.train_step()
+        assert worker.clients[0].status()["data_port"] is None
+        worker.close()
+        assert shard.version == 1
+    finally:
+        server.stop(None)
+        shard.close()
+
+
+def _hello(port: int, token: str = "") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    payload = wire.encode({"hello": {"token": token}})
+    sock.sendall(FRAME.pack(len(payload)) + payload)
+    size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
+    assert wire.decode(sock.recv(size, socket.MSG_WAITALL)).meta == {"hello": "ok"}
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_a_frame_over_the_limit_is_refused_and_the_ps_goes_on(cluster):
+    shard = cluster.shards[0]
+    before, version = cluster.parameters(), shard.version
+    count = _sample(shard, "tfps_ps_rejected_requests_total", reason="oversize")
+    with _hello(cluster.servers[0].data_port) as sock:
+        sock.sendall(FRAME.pack(1 << 40))  # claims a TiB: refused before any of it is read
+        size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
+        reply = wire.decode(sock.recv(size, socket.MSG_WAITALL))
+        assert reply.meta["error"]["code"] == "INVALID_ARGUMENT" and reply.meta["error"]["reason"] == "oversize"
+        assert _closed_by_peer(sock)
+    assert _sample(shard, "tfps_ps_rejected_requests_total", reason="oversize") == count + 1
+    assert shard.version == version
+    for name, value in cluster.parameters().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    worker = _train_steps(cluster, 0, steps=1)  # still serving
+    worker.close()
+    assert shard.version == version + 1
+
+
+def test_a_frame_cut_short_is_counted_and_changes_nothing(cluster):
+    shard = cluster.shards[0]
+    before, version = cluster.parameters(), shard.version
+    count = _sample(shard, "tfps_ps_rejected_requests_total", reason="truncated")
+    grads = {name: np.ones_like(value) for name, value in before.items()}
+    message = wire.encode({"worker": 0, "tag": version, "pull": False, "batch": 1}, grads)
+    with _hello(cluster.servers[0].data_port) as sock:
+        sock.sendall(FRAME.pack(len(message)) + message[: len(message) // 2])
+    assert _eventually(lambda: _sample(shard, "tfps_ps_rejected_requests_total", reason="truncated") == count + 1)
+    assert shard.version == version
+    for name, value in cluster.parameters().items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+def test_the_data_port_admits_only_the_jobs_token():
+    model = InProcessCluster(TRAINING).model()
+    shard = Shard(place(model.params, 1).for_ps(0), {p.name: p for p in model.params}, TRAINING, 1, 0,
+                  PSMetrics(Identity("inprocess", "default", "ps", 0)))
+    server, _ = serve(shard, "127.0.0.1:0", security=ServerSecurity(Material(b"the-job-token")))
+    try:
+        for wrong in (Material(b"another-token"), None):
+            with pytest.raises(DataPathError) as err:
+                DataConnection("127.0.0.1", server.data_port, wrong, timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert _sample(shard, "tfps_ps_rejected_requests_total", reason="unauthenticated") == 2
+        conn = DataConnection("127.0.0.1", server.data_port, Material(b"the-job-token"), timeout=10)
+        reply = conn.step({"worker": 0, "tag": -1, "pull": True}, {})
+        conn.close()
+        assert reply.meta["version"] == 0 and set(reply.tensors) == set(shard.vars)
+    finally:
+        server.stop(None)
+        shard.close()
