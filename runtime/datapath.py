@@ -204,7 +204,7 @@ class DataServer:
         return True
 
     def _loop(self, sock: socket.socket) -> None:
-        buf = np.empty(0, np.uint8)  # reused: the shard keeps no view of a request once it answered
+        buf = wire.aligned_empty(0)  # reused: the shard keeps no view of a request once it answered
         while True:
             size = recv_length(sock)
             if size is None:
@@ -215,7 +215,7 @@ class DataServer:
                 send_frame(sock, error_pieces("INVALID_ARGUMENT", "oversize", detail))
                 return  # the rest of the frame is not read: the stream cannot be resynchronised
             if size > len(buf):
-                buf = np.empty(size, np.uint8)
+                buf = wire.aligned_empty(size)
             view = memoryview(buf)[:size]
             try:
                 recv_exact(sock, view)
@@ -266,8 +266,9 @@ class DataConnection:
         size = recv_length(self.sock)
         if size is None:
             raise ConnectionError("the PS closed the connection")
-        # A fresh buffer per reply: the worker keeps views of it (parameters, embedding rows).
-        buf = np.empty(size, np.uint8)
+        # A fresh buffer per reply: the worker keeps views of it (parameters, embedding rows),
+        # and TensorFlow uses them in place (runtime/zerocopy.py).
+        buf = wire.aligned_empty(size)
         recv_exact(self.sock, memoryview(buf))
         msg = wire.decode(memoryview(buf))
         err = msg.meta.get("error")

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from .spec import OptimizerName, OptimizerSpec
+from .zerocopy import as_tensor
 
 SLOTS = {
     OptimizerName.SGD: (),
@@ -56,7 +57,8 @@ class ShardOptimizer:
             b1p, b2p = self._adam_powers(t)
             for name, grad in grads.items():
                 var = variables[name]
-                if grad.dtype != np.float32:
+                grad = as_tensor(grad)  # in place when the message's buffer allows it
+                if grad.dtype != tf.float32:
                     grad = tf.cast(grad, var.dtype)  # bfloat16 off the wire
                 self._dense_op(var, slots[name], grad, b1p, b2p)
 

@@ -288,7 +288,8 @@ class Shard:
         for name, grad in req.dense.items():
             acc = self._acc.get(name)
             if acc is None:
-                self._acc[name] = np.array(grad, dtype=np.float32, copy=True)
+                acc = self._acc[name] = wire.aligned_empty(grad.size * 4).view(np.float32).reshape(grad.shape)
+                acc[...] = grad
             else:
                 np.add(acc, grad, out=acc)
         for name, (idx, values) in req.sparse.items():

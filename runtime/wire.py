@@ -3,7 +3,10 @@
     message = u32 header length | JSON header | payload
     header  = {"meta": {...}, "tensors": [[name, dtype, shape, nbytes], ...]}
 
-Tensors follow one another in the payload in header order. Decoding never copies: each
+Tensors follow one another in the payload in header order, each starting on a multiple of
+`align` bytes from the message's start (the header is padded with spaces, tensors with zero
+bytes), so that a message received into an aligned buffer (`aligned_empty`) hands
+TensorFlow tensors it can use in place (runtime/zerocopy.py). Decoding never copies: each
 tensor is an `np.frombuffer` view of the received bytes. Messages larger than
 UNARY_MAX_BYTES travel as a gRPC stream of CHUNK_BYTES chunks (see `encode_chunks` / `join`).
 """
@@ -17,6 +20,9 @@ from typing import Iterable, Iterator
 import ml_dtypes
 import numpy as np
 
+ALIGN = 64  # TensorFlow's CPU buffer alignment (EIGEN_MAX_ALIGN_BYTES with AVX-512)
+MAX_ALIGN = 4096
+_ZEROS = bytes(ALIGN)
 CHUNK_BYTES = 4 << 20
 # Larger messages are streamed in chunks. Up to glibc's largest mmap threshold (runtime/malloc.py)
 # a whole message reuses warm heap pages, and one unary call costs less than a stream: 5.8M
@@ -51,13 +57,25 @@ class Message:
 
 def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
     """The message as its parts (length, header, each tensor's bytes), none of them copied."""
-    entries, bufs = [], []
+    entries, bufs, offset = [], [], 0
     for name, arr in tensors.items():
         arr = np.ascontiguousarray(arr)
+        pad = -offset % ALIGN
+        if pad:
+            bufs.append(_ZEROS[:pad])
         entries.append([name, arr.dtype.name, list(arr.shape), arr.nbytes])
         bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too
-    header = json.dumps({"meta": meta, "tensors": entries}, separators=(",", ":")).encode()
+        offset += pad + arr.nbytes
+    header = json.dumps({"meta": meta, "tensors": entries, "align": ALIGN}, separators=(",", ":")).encode()
+    header += b" " * (-(_LEN.size + len(header)) % ALIGN)  # the first tensor starts aligned
     return [_LEN.pack(len(header)), header, *bufs]
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 buffer starting on an ALIGN boundary."""
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start:start + nbytes]
 
 
 def encode(meta: dict, tensors: dict[str, np.ndarray] | None = None) -> bytes:
@@ -104,9 +122,11 @@ def decode(data: bytes) -> Message:
         raise WireError("truncated", f"header of {hlen} bytes exceeds message of {len(view)} bytes")
     try:
         header = json.loads(bytes(view[_LEN.size:start]))
-        meta, entries = header["meta"], header["tensors"]
+        meta, entries, align = header["meta"], header["tensors"], header.get("align", 1)
         if not isinstance(meta, dict) or not isinstance(entries, list):
             raise TypeError("meta must be an object and tensors a list")
+        if type(align) is not int or not 1 <= align <= MAX_ALIGN:
+            raise TypeError(f"align must be an integer in 1..{MAX_ALIGN}")
     except (ValueError, KeyError, TypeError) as err:
         raise WireError("malformed", f"unreadable header: {err}") from None
     tensors, offset = {}, start
@@ -120,6 +140,7 @@ def decode(data: bytes) -> Message:
             raise WireError("wrong_dtype", f"tensor entry {entry!r}: unsupported dtype or bad entry") from None
         if any(d < 0 for d in shape) or nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
             raise WireError("wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {dtype_name}")
+        offset += -offset % align
         if offset + nbytes > len(view):
             raise WireError("truncated", f"tensor {name!r}: payload ends {offset + nbytes - len(view)} bytes early")
         tensors[name] = np.frombuffer(view[offset:offset + nbytes], dtype=dtype).reshape(shape)

@@ -25,6 +25,7 @@ from .metrics import WorkerMetrics
 from .models import BatchSource, ModelDef
 from .sharding import Plan, place, route_rows
 from .spec import ConsistencyMode, TrainingSpec, WireDtype
+from .zerocopy import as_tensor
 
 log = logging.getLogger("tfps.worker")
 
@@ -185,7 +186,7 @@ class Worker:
     def _take_params(self, replies: list[_Reply]) -> None:
         for name in self.dense_vars:
             pieces = [replies[p.ps].msg.tensors[p.name] for p in sorted(self.plan.parts_of(name), key=lambda p: p.start)]
-            self.params[name] = tf.convert_to_tensor(pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+            self.params[name] = as_tensor(pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
 
     def _absorb(self, replies: list[_Reply], sent_tags: list[int] | None, row_requests: list[dict]) -> list[_Reply]:
         """Re-ask shards that answered `pending` until every shard has parameters."""

@@ -68,3 +68,28 @@ def test_bfloat16_tensors_travel_as_two_bytes_each():
     np.testing.assert_array_equal(out.astype(np.float32), values.astype(np.float32))
     # the same header length either way ("bfloat16", 8 bytes / "float32", 16 bytes): the payload is half
     assert len(wire.encode({}, {"w": values.astype(np.float32)})) - len(data) == 8
+
+
+def test_tensors_start_aligned_so_tensorflow_can_use_them_in_place():
+    tensors = {"a": np.arange(3, dtype=np.float32), "b": np.ones((5, 7), np.float32), "c": np.arange(4, dtype=np.int64)}
+    data = wire.encode({"k": "v"}, tensors)
+    buf = wire.aligned_empty(len(data))
+    buf[:] = np.frombuffer(data, np.uint8)
+    msg = wire.decode(memoryview(buf))
+    assert msg.meta == {"k": "v"}
+    for name, arr in msg.tensors.items():
+        assert arr.ctypes.data % wire.ALIGN == 0, name
+        np.testing.assert_array_equal(arr, tensors[name])
+
+
+def test_a_message_without_alignment_still_decodes_and_a_bad_align_is_refused():
+    import json
+    import struct
+
+    header = json.dumps({"meta": {}, "tensors": [["a", "float32", [1], 4], ["b", "float32", [1], 4]]}).encode()
+    packed = struct.pack("<I", len(header)) + header + np.array([1, 2], np.float32).tobytes()
+    assert wire.decode(packed).tensors["b"][0] == 2.0
+    header = json.dumps({"meta": {}, "tensors": [], "align": 0}).encode()
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(struct.pack("<I", len(header)) + header)
+    assert err.value.reason == "malformed"
