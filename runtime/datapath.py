@@ -24,6 +24,7 @@ import os
 import socket
 import ssl
 import struct
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -43,6 +44,7 @@ IDLE_SECONDS = 600.0  # a PS closes a connection silent this long; the worker re
 MAX_CONNECTIONS = 1024
 HELLO_MAX_BYTES = 64 << 10
 IOV_MAX = 1024
+REPLY_BUFFERS = 3  # a pipelined worker holds two replies at most (in use, in flight)
 
 
 class DataPathError(grpc.RpcError):
@@ -243,10 +245,36 @@ class DataServer:
 
 # ---- the worker side ---------------------------------------------------------------------
 
+class ReplyBuffers:
+    """Aligned buffers for replies, each reused once nothing refers to it any more.
+
+    The worker keeps views of a reply (its parameters go to TensorFlow in place), so a buffer
+    must not be overwritten while one lives. Every view holds a reference to its buffer; a
+    buffer that only this pool refers to is free. Reusing it spares the page faults of fresh
+    memory: messages over glibc's largest mmap threshold (32 MiB) get new pages every time.
+    """
+
+    def __init__(self, keep: int = REPLY_BUFFERS):
+        self.keep = keep
+        self._buffers: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> np.ndarray:
+        for buf in self._buffers:
+            # A reply's tensors are views of a memoryview of `buf` itself (never of a slice of
+            # it), so while one lives it refers to `buf`. Only the list, the loop variable and
+            # getrefcount's argument do: no reply in it is in use.
+            if len(buf) == nbytes and sys.getrefcount(buf) == 3:
+                return buf
+        buf = wire.aligned_empty(nbytes)
+        self._buffers = [buf, *self._buffers][: self.keep]
+        return buf
+
+
 class DataConnection:
     """One worker's connection to one PS's data port."""
 
     def __init__(self, host: str, port: int, material: Material | None, timeout: float):
+        self._buffers = ReplyBuffers()
         raw = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -266,9 +294,9 @@ class DataConnection:
         size = recv_length(self.sock)
         if size is None:
             raise ConnectionError("the PS closed the connection")
-        # A fresh buffer per reply: the worker keeps views of it (parameters, embedding rows),
-        # and TensorFlow uses them in place (runtime/zerocopy.py).
-        buf = wire.aligned_empty(size)
+        # The worker keeps views of a reply (parameters, embedding rows) and TensorFlow uses
+        # them in place (runtime/zerocopy.py): a buffer is reused only once they are gone.
+        buf = self._buffers.take(size)
         recv_exact(self.sock, memoryview(buf))
         msg = wire.decode(memoryview(buf))
         err = msg.meta.get("error")
