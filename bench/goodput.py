@@ -5,9 +5,9 @@
 on 127.0.0.1 and then, per repeat, measures back to back:
 - raw TCP: one connection, Python sockets, `--raw-mib` MiB in 1 MiB sends, received into
   a preallocated buffer by a thread;
-- tfps: the worker's Step call through the runtime's client (`ShardClient.step`, chunked
-  stream as the worker uses it for large shards), each pushing a whole model's gradients
-  and pulling the whole model back. Goodput counts the tensor bytes pushed plus pulled.
+- tfps: the worker's Step call through the runtime's client (`ShardClient.step`, over the
+  PS's data path as a worker sends it), each pushing a whole model's gradients and pulling
+  the whole model back. Goodput counts the tensor bytes pushed plus pulled.
 - grpcio alone: the same bytes in the same chunks to an echo server in its own process
   that does nothing else (`--echo-server`): what gRPC's Python stack allows at best, so
   the report can tell the transport's share of the gap from tfps's.

@@ -99,6 +99,7 @@ class ShardClient:
             return None
         try:
             self._data = DataConnection(host, int(port), self.security.material, CALL_TIMEOUT)
+            log.info(json.dumps({"event": "data-path", "ps": self.index, "host": host, "port": int(port)}))
         except socket.timeout:  # dropped, not refused: a network policy without the data port
             self._fall_back(f"no answer from {host}:{port} within {datapath.CONNECT_SECONDS} s", logging.WARNING)
         except OSError as err:  # refused or reset: the PS is restarting

@@ -175,10 +175,11 @@ class DataServer:
         sock = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            raw.settimeout(IDLE_SECONDS)
+            raw.settimeout(CONNECT_SECONDS)  # the TLS handshake and the hello
             if self._tls is not None:
                 sock = self._tls.wrap_socket(raw, server_side=True)
             if self._hello(sock):
+                sock.settimeout(IDLE_SECONDS)
                 self._loop(sock)
         except (OSError, ValueError):
             pass  # the worker went away (or sent a TLS handshake that failed): it reconnects

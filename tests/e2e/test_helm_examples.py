@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL, load_manifest
+from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL, ReplicaType, load_manifest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -61,6 +61,12 @@ def test_example_trains_to_succeeded(cluster, namespace, release, example):
         assert status["progress"]["accuracy"] >= 0.9, status["progress"]
     assert status.get("completionTime") and status.get("startTime")
     assert any(c["type"] == "Succeeded" and c["status"] == "True" for c in status["conditions"])
+
+    # Steps went over each PS's data path (the chart's port 2223), not gRPC.
+    log = cluster.kubectl("logs", f"{job.name}-worker-0", "--namespace", namespace).stdout
+    data_paths = [json.loads(line) for line in log.splitlines() if '"event": "data-path"' in line]
+    assert {e["ps"] for e in data_paths} == set(range(job.spec.replicas(ReplicaType.PS))), log[-2000:]
+    assert all(e["port"] == 2223 for e in data_paths) and '"event": "grpc-steps"' not in log
 
     # cleanPodPolicy Running (the default): no PS pod outlives the finished job.
     core = client.CoreV1Api(cluster.api)
