@@ -29,7 +29,10 @@ def test_creates_service_and_pods_with_exact_tf_config(tfps_operator):
         assert c.image == ("tfps/ps:0.1.0" if rtype == "ps" else "tfps/worker:0.1.0")
         env = {e.name: e for e in c.env}
         assert env["TFPS_BIND_ADDRESS"].value_from.field_ref.field_path == "status.podIP"
-        assert {p.container_port for p in c.ports} == {2222, 9090}
+        if rtype == "ps":  # the data path too
+            assert {p.container_port for p in c.ports} == {2222, 2223, 9090} and env["TFPS_DATA_PORT"].value == "2223"
+        else:
+            assert {p.container_port for p in c.ports} == {2222, 9090} and "TFPS_DATA_PORT" not in env
     svc = op.core.read_namespaced_service("digits", ns)
     assert svc.spec.cluster_ip == "None" and svc.spec.selector == {"tfps.io/job-name": "digits"}
     assert svc.metadata.owner_references[0].uid == job["metadata"]["uid"]

@@ -69,7 +69,7 @@ def test_job_gets_its_secret_and_network_policy_and_pods_mount_it(tfps_operator)
     assert policy.spec.pod_selector.match_labels == {"tfps.io/job-name": "sec"}
     assert policy.spec.policy_types == ["Ingress"]
     grpc_rule, metrics_rule = policy.spec.ingress
-    assert [(p.port, p.protocol) for p in grpc_rule.ports] == [(2222, "TCP")]
+    assert [(p.port, p.protocol) for p in grpc_rule.ports] == [(2222, "TCP"), (2223, "TCP")]  # gRPC and the data path
     assert [peer.pod_selector.match_labels for peer in grpc_rule._from] == [{"tfps.io/job-name": "sec"}]
     assert [(p.port, p.protocol) for p in metrics_rule.ports] == [(9090, "TCP")] and metrics_rule._from is None
 
