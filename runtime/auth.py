@@ -35,6 +35,7 @@ METADATA_KEY = "authorization"
 SCHEME = "Bearer "
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes carry no token
 REJECT_REASON = "unauthenticated"
+REJECT_DETAIL = "missing or wrong bearer token for this job"
 
 
 class SecurityError(RuntimeError):
@@ -103,7 +104,7 @@ def write_material(folder: Path, token: str, tls: Any = None) -> Path:
 def _deny_like(handler: grpc.RpcMethodHandler | None, on_reject) -> grpc.RpcMethodHandler:
     def deny(request_or_iterator, context: grpc.ServicerContext):
         on_reject()
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token for this job")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, REJECT_DETAIL)
 
     streaming_in = bool(handler and handler.request_streaming)
     streaming_out = bool(handler and handler.response_streaming)

@@ -19,7 +19,6 @@ closes the connection.
 from __future__ import annotations
 
 import hmac
-import logging
 import os
 import socket
 import ssl
@@ -33,9 +32,7 @@ import grpc
 import numpy as np
 
 from . import wire
-from .auth import REJECT_REASON, Material
-
-log = logging.getLogger("tfps.datapath")
+from .auth import REJECT_DETAIL, REJECT_REASON, Material
 
 ENV_DATA_PATH = "TFPS_DATA_PATH"  # worker: "0" sends Steps over gRPC even when a PS offers a data port
 FRAME = struct.Struct("<Q")
@@ -68,16 +65,15 @@ def wanted(env: dict[str, str] | None = None) -> bool:
 
 # ---- frames ----------------------------------------------------------------------------
 
-def send_frame(sock: socket.socket, pieces: list) -> int:
-    """Send `pieces` (bytes and memoryviews, one wire message) as one frame without joining
-    them; returns the frame's payload size."""
+def send_frame(sock: socket.socket, pieces: list) -> None:
+    """Send `pieces` (bytes and memoryviews, one wire message) as one frame without joining them."""
     views = [memoryview(p).cast("B") for p in pieces]
     size = sum(len(v) for v in views)
     views.insert(0, memoryview(FRAME.pack(size)))
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
         for v in views:
             sock.sendall(v)
-        return size
+        return
     i = 0
     while i < len(views):
         sent = sock.sendmsg(views[i:i + IOV_MAX])
@@ -89,7 +85,6 @@ def send_frame(sock: socket.socket, pieces: list) -> int:
                 views[i], sent = views[i][sent:], 0
         while i < len(views) and not len(views[i]):
             i += 1
-    return size
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -200,8 +195,8 @@ class DataServer:
         except (wire.WireError, AttributeError):
             sent = b""
         if self._token is not None and not hmac.compare_digest(sent, self._token):
-            self._on_reject(REJECT_REASON, "missing or wrong bearer token for this job")
-            send_frame(sock, error_pieces("UNAUTHENTICATED", REJECT_REASON, "missing or wrong bearer token for this job"))
+            self._on_reject(REJECT_REASON, REJECT_DETAIL)
+            send_frame(sock, error_pieces("UNAUTHENTICATED", REJECT_REASON, REJECT_DETAIL))
             return False
         send_frame(sock, wire.pieces({"hello": "ok"}, {}))
         return True

@@ -526,9 +526,7 @@ def _refuser(shard: Shard):
     return refused
 
 
-def _handlers(shard: Shard, data_port: int | None) -> grpc.GenericRpcHandler:
-    refused = _refuser(shard)
-
+def _handlers(shard: Shard, data_port: int | None, refused) -> grpc.GenericRpcHandler:
     def guarded(fn, data: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             return fn(data)
@@ -594,12 +592,12 @@ def serve(shard: Shard, address: str, max_workers: int = 16, security: ServerSec
     only); returns them and the bound gRPC port. Without `security` both are open and
     plaintext (tests on loopback)."""
     security = security or ServerSecurity(None)
-    data = None
+    refused, data = _refuser(shard), None
     if data_port is not None:
-        data = DataServer(shard, split_host(address), data_port, security.material, _refuser(shard))
+        data = DataServer(shard, split_host(address), data_port, security.material, refused)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"), options=GRPC_OPTIONS,
                          interceptors=security.interceptors(shard.metrics, shard.index))
-    server.add_generic_rpc_handlers((_handlers(shard, data.port if data else None),))
+    server.add_generic_rpc_handlers((_handlers(shard, data.port if data else None, refused),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = security.add_port(server, address)
