@@ -11,7 +11,7 @@ cache=${TFPS_CACHE:-$HOME/.cache/tfps}
 mkdir -p "$cache/bin" "$cache/src"
 export CGO_ENABLED=0 GOFLAGS="-buildvcs=false -trimpath" GOTOOLCHAIN=local
 
-step=0; total=7
+step=0; total=9
 progress() { step=$((step + 1)); printf '[build-cluster %d/%d %s] %s\n' "$step" "$total" "$(date +%T)" "$*"; }
 have() { [ -x "$1" ] && { echo "  cached: $1"; return 0; }; return 1; }
 
@@ -24,7 +24,7 @@ build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 prepare_k8s_module() {
   # k8s.io/kubernetes replaces its staging modules with ./staging/..., which a dependent module
   # cannot follow: point each at its published v0.<minor>.<patch> instead.
-  [ -f "$k8s_src/go.sum" ] && [ -f "$k8s_src/.tidy-done" ] && return 0
+  [ -f "$k8s_src/go.sum" ] && [ -f "$k8s_src/.tidy-done-node" ] && return 0
   mkdir -p "$k8s_src"
   local modfile
   modfile=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["GoMod"])')
@@ -49,9 +49,11 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 GO
-  (cd "$k8s_src" && go mod tidy) && touch "$k8s_src/.tidy-done"
+  (cd "$k8s_src" && go mod tidy) && touch "$k8s_src/.tidy-done-node"
 }
 
 build_k8s() {
@@ -74,10 +76,10 @@ build_etcd() {
   progress "etcd $ETCD_VERSION"
   have "$dir/etcd" && return 0
   mkdir -p "$dir" "$src"
-  if [ ! -f "$src/.tidy-done" ]; then
+  if [ ! -f "$src/.tidy-done-node" ]; then
     printf 'module tfps.local/etcd-build\n\ngo 1.25\n\nrequire go.etcd.io/etcd/server/v3 %s\n' "$ETCD_VERSION" > "$src/go.mod"
     printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' > "$src/tools.go"
-    (cd "$src" && go mod tidy) && touch "$src/.tidy-done"
+    (cd "$src" && go mod tidy) && touch "$src/.tidy-done-node"
   fi
   (cd "$src" && go build -ldflags "-s -w" -o "$dir/etcd.partial" go.etcd.io/etcd/server/v3)
   mv "$dir/etcd.partial" "$dir/etcd"
@@ -109,13 +111,15 @@ build_k8s kubectl
 build_helm
 build_k8s kube-scheduler
 build_k8s kube-controller-manager
+build_k8s kubelet
+build_k8s kube-proxy
 build_kwok
 
 # One folder of links so callers need a single PATH entry.
 links="$cache/bin/current"
 mkdir -p "$links"
 ln -sf "$cache/bin/etcd-$ETCD_VERSION/etcd" "$links/etcd"
-for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do ln -sf "$k8s_dir/$c" "$links/$c"; done
+for c in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do ln -sf "$k8s_dir/$c" "$links/$c"; done
 ln -sf "$cache/bin/helm-$HELM_VERSION/helm" "$links/helm"
 ln -sf "$cache/bin/kwok-$KWOK_VERSION/kwok" "$links/kwok"
 echo "[build-cluster done $(date +%T)] binaries in $links"

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Start and stop the local Kubernetes control plane (etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler) and the local node on 127.0.0.1, with state, PKI and logs in one folder.
+"""Start and stop the local Kubernetes cluster: the control plane (etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler) and one real node (containerd + runc, kubelet, kube-proxy,
+CoreDNS, kube-router's NetworkPolicy firewall; see hack/node.py for its addresses and host state),
+with state, PKI and logs in one folder. Needs root: the node makes a bridge, rules and cgroups.
 
 Usage: hack/cluster.sh up | down [--purge] | stop COMPONENT... | restart COMPONENT... | release --session PID |
        status | env | kubeconfig | logs
 
-Standard library only, so it runs before the project's virtual environment exists; the local node
-(hack/localnode.py) runs with the venv's Python.
+Standard library only, so it runs before the project's virtual environment exists.
 
 State folder ($TFPS_STATE, default <repo>/.tfps):
   cluster.json   ports and URL of the running control plane
@@ -16,7 +17,7 @@ State folder ($TFPS_STATE, default <repo>/.tfps):
                  `restart etcd` keeps it, like a real control-plane restart)
   pids/          one pid file per component
   logs/          one log per component
-  pods/          the local node's pod logs and runtime files
+  node/          the node's configuration files and kubeconfigs
 """
 from __future__ import annotations
 
@@ -37,13 +38,17 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import node  # noqa: E402  (hack/node.py, beside this file)
+
 log = logging.getLogger("tfps.cluster")
 
 REPO = Path(__file__).resolve().parent.parent
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "localnode")
-CONTROL_PLANE = COMPONENTS[:4]
-SERVICE_CIDR = "10.96.0.0/24"  # allocated on paper only: nothing ever dials a ClusterIP here
-NODE_NAME = "tfps-local"
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+NODE = ("containerd", "kubelet", "kube-proxy", "coredns", "kube-router")
+COMPONENTS = CONTROL_PLANE + NODE
+NODE_NAME = node.NODE_NAME
+PKI_LAYOUT = "2"  # bump when LEAVES change: `up` then makes the PKI anew
 
 
 def read_versions() -> dict[str, str]:
@@ -83,8 +88,11 @@ def binary(name: str) -> Path:
 
 
 def missing_binaries() -> list[str]:
-    names = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
-    return [n for n in names if not os.access(binary(n), os.X_OK)]
+    names = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet",
+             "kube-proxy", "coredns", "kube-router", "pause")
+    missing = [n for n in names if not os.access(binary(n), os.X_OK)]
+    return missing + [n for n in ("containerd", "runc", "ctr", "buildah", "ipset", "iptables")
+                      if not shutil.which(n)]
 
 
 def venv_python() -> str:
@@ -133,6 +141,10 @@ class Paths:
     @property
     def sessions(self) -> Path:
         return self.root / "sessions"
+
+    @property
+    def node(self) -> Path:
+        return self.root / "node"
 
 
 @contextlib.contextmanager
@@ -197,15 +209,6 @@ def recorded_pid(p: Paths, comp: str) -> int | None:
     return pid
 
 
-def code_version(comp: str) -> str | None:
-    """For the local node (our own code): a digest of its source, so `up` restarts a stale one."""
-    if comp != "localnode":
-        return None
-    import hashlib
-
-    return hashlib.sha1((REPO / "hack" / "localnode.py").read_bytes()).hexdigest()[:12]
-
-
 def recorded(p: Paths, comp: str, key: str):
     try:
         return json.loads(p.pidfile(comp).read_text()).get(key)
@@ -214,8 +217,8 @@ def recorded(p: Paths, comp: str, key: str):
 
 
 def stale(p: Paths, comp: str, argv: list[str]) -> bool:
-    """A running component started with other flags (or, for the local node, older code)."""
-    return recorded(p, comp, "argv") != argv or recorded(p, comp, "code") != code_version(comp)
+    """A running component started with other flags."""
+    return recorded(p, comp, "argv") != argv
 
 
 def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
@@ -226,8 +229,7 @@ def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
         out.flush()
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env, cwd=p.root)
-    p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid),
-                                           "code": code_version(comp), "argv": argv}))
+    p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid), "argv": argv}))
     log.info("started %s pid=%d log=%s", comp, proc.pid, p.logfile(comp))
     return proc.pid
 
@@ -264,23 +266,31 @@ def openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-SERVING_SANS = ["IP:127.0.0.1", "DNS:localhost", "DNS:kubernetes", "DNS:kubernetes.default",
-                "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"]
+SERVING_SANS = ["IP:127.0.0.1", f"IP:{node.NODE_IP}", f"IP:{node.KUBERNETES_SERVICE_IP}", "DNS:localhost",
+                "DNS:kubernetes", "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
+                "DNS:kubernetes.default.svc.cluster.local"]
 SERVER_EXT = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
 CLIENT_EXT = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
 # name -> (subject, extensions); every leaf is signed by the one CA.
 LEAVES = {
     "apiserver": ("/CN=kube-apiserver", SERVER_EXT + f"subjectAltName={','.join(SERVING_SANS)}\n"),
     "admin": ("/O=system:masters/CN=tfps-admin", CLIENT_EXT),
-    # the local node's kubelet endpoint (container logs), reached by the apiserver at 127.0.0.1
-    "kubelet": (f"/CN=system:node:{NODE_NAME}", SERVER_EXT + f"subjectAltName=IP:127.0.0.1,DNS:{NODE_NAME}\n"),
+    # the kubelet's serving certificate: the apiserver verifies it (logs, exec, port-forward)
+    "kubelet": (f"/CN=system:node:{NODE_NAME}", SERVER_EXT + f"subjectAltName=IP:{node.NODE_IP},DNS:{NODE_NAME}\n"),
+    # the kubelet's API identity, authorized by the Node authorizer
+    "node": (f"/O=system:nodes/CN=system:node:{NODE_NAME}", CLIENT_EXT),
+    # bound to the built-in system:node-proxier role
+    "kube-proxy": ("/CN=system:kube-proxy", CLIENT_EXT),
 }
 
 
 def ensure_pki(p: Paths) -> None:
     """CA, leaf certificates and the service-account key pair; creates only what is missing."""
     d = p.pki
+    if (d / "layout").exists() and (d / "layout").read_text() != PKI_LAYOUT:
+        shutil.rmtree(d)
     d.mkdir(parents=True, exist_ok=True)
+    (d / "layout").write_text(PKI_LAYOUT)
     if not (d / "ca.crt").exists():
         log.info("creating PKI in %s", d)
         openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
@@ -303,8 +313,9 @@ def ensure_pki(p: Paths) -> None:
         f.chmod(0o600)
 
 
-def write_kubeconfig(p: Paths, url: str) -> None:
+def write_kubeconfig(p: Paths, url: str, user: str = "admin", path: Path | None = None) -> None:
     pki = p.pki
+    path = path or p.kubeconfig
     text = f"""apiVersion: v1
 kind: Config
 clusters:
@@ -315,15 +326,16 @@ clusters:
 users:
 - name: tfps-admin
   user:
-    client-certificate: {pki / 'admin.crt'}
-    client-key: {pki / 'admin.key'}
+    client-certificate: {pki / f'{user}.crt'}
+    client-key: {pki / f'{user}.key'}
 contexts:
 - name: tfps-local
   context: {{cluster: tfps-local, user: tfps-admin, namespace: default}}
 current-context: tfps-local
 """
-    p.kubeconfig.write_text(text)
-    p.kubeconfig.chmod(0o600)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o600)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,7 +404,8 @@ def apiserver_argv(p: Paths, info: dict) -> list[str]:
     pki = p.pki
     return [str(binary("kube-apiserver")),
             f"--etcd-servers=http://127.0.0.1:{info['etcd_port']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            # the node address: pods reach it through the `kubernetes` Service (kube-proxy)
+            f"--bind-address={node.NODE_IP}", f"--advertise-address={node.NODE_IP}",
             f"--secure-port={info['apiserver_port']}",
             f"--cert-dir={pki}",
             f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -400,11 +413,11 @@ def apiserver_argv(p: Paths, info: dict) -> list[str]:
             f"--service-account-issuer=https://127.0.0.1:{info['apiserver_port']}",
             f"--service-account-key-file={pki / 'sa.pub'}",
             f"--service-account-signing-key-file={pki / 'sa.key'}",
-            "--authorization-mode=RBAC",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--endpoint-reconciler-type=none",
-            # `kubectl logs` goes through the apiserver to the local node's endpoint on 127.0.0.1 only
-            # (never by the node's host name, which would need a DNS server off the machine).
+            "--authorization-mode=Node,RBAC",
+            f"--service-cluster-ip-range={node.SERVICE_CIDR}",
+            "--endpoint-reconciler-type=lease",
+            # logs, exec and port-forward go to the kubelet by the node's address, never by its host
+            # name (which would need a DNS server off the machine)
             "--kubelet-preferred-address-types=InternalIP",
             f"--kubelet-client-certificate={pki / 'admin.crt'}", f"--kubelet-client-key={pki / 'admin.key'}",
             f"--kubelet-certificate-authority={pki / 'ca.crt'}",
@@ -433,13 +446,42 @@ def scheduler_argv(p: Paths, info: dict) -> list[str]:
             "--profiling=false", "--v=1"]
 
 
-def localnode_argv(p: Paths, info: dict, extra: list[str]) -> list[str]:
-    return [venv_python(), str(REPO / "hack" / "localnode.py"), "run",
-            f"--kubeconfig={p.kubeconfig}", f"--state-dir={p.root}", *extra]
+def containerd_argv(p: Paths, info: dict) -> list[str]:
+    return ["containerd", f"--config={p.node / 'containerd.toml'}"]
+
+
+def kubelet_argv(p: Paths, info: dict) -> list[str]:
+    return [str(binary("kubelet")), f"--config={p.node / 'kubelet.yaml'}",
+            f"--kubeconfig={p.node / 'kubelet.kubeconfig'}", f"--root-dir={node.NODE_ROOT / 'kubelet'}",
+            f"--hostname-override={NODE_NAME}", f"--node-ip={node.NODE_IP}", "--v=1"]
+
+
+def kube_proxy_argv(p: Paths, info: dict) -> list[str]:
+    return [str(binary("kube-proxy")), f"--config={p.node / 'kube-proxy.yaml'}", "--v=1"]
+
+
+def coredns_argv(p: Paths, info: dict) -> list[str]:
+    return [str(binary("coredns")), "-conf", str(p.node / "Corefile")]
+
+
+def kube_router_argv(p: Paths, info: dict) -> list[str]:
+    return node.kube_router_argv(str(binary("kube-router")), p.kubeconfig)
 
 
 ARGV = {"etcd": etcd_argv, "kube-apiserver": apiserver_argv,
-        "kube-controller-manager": controller_manager_argv, "kube-scheduler": scheduler_argv}
+        "kube-controller-manager": controller_manager_argv, "kube-scheduler": scheduler_argv,
+        "containerd": containerd_argv, "kubelet": kubelet_argv, "kube-proxy": kube_proxy_argv,
+        "coredns": coredns_argv, "kube-router": kube_router_argv}
+
+
+def api_request(p: Paths, url: str, method: str, path: str, body: object, content_type: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method=method,
+                                 headers={"Content-Type": content_type})
+    try:
+        with urllib.request.urlopen(req, context=ssl_context(p), timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def default_sa_exists(p: Paths, url: str) -> bool:
@@ -451,8 +493,72 @@ def node_ready(p: Paths, url: str) -> bool:
     code, body = api_get(p, url, f"/api/v1/nodes/{NODE_NAME}")
     if code != 200:
         return False
-    conds = json.loads(body).get("status", {}).get("conditions", [])
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+    status = json.loads(body).get("status", {})
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+
+
+def advertise_extended_resources(p: Paths, url: str) -> None:
+    patch = [{"op": "add", "path": f"/status/capacity/{name.replace('/', '~1')}", "value": value}
+             for name, value in node.EXTENDED_RESOURCES.items()]
+    code, body = api_request(p, url, "PATCH", f"/api/v1/nodes/{NODE_NAME}/status", patch,
+                             "application/json-patch+json")
+    if code != 200:
+        raise SystemExit(f"could not advertise {node.EXTENDED_RESOURCES} on node {NODE_NAME}: {code} {body[:300]!r}")
+
+
+def write_node_config(p: Paths, info: dict) -> None:
+    d = p.node
+    d.mkdir(parents=True, exist_ok=True)
+    url = info["apiserver_url"]
+    write_kubeconfig(p, url, user="node", path=d / "kubelet.kubeconfig")
+    write_kubeconfig(p, url, user="kube-proxy", path=d / "kube-proxy.kubeconfig")
+    (d / "containerd.toml").write_text(node.containerd_config(pause_image()))
+    (d / "resolv.conf").write_text(f"nameserver {node.DNS_IP}\noptions ndots:5\n")
+    (d / "kubelet.yaml").write_text(json.dumps(node.kubelet_config(p.pki, d / "resolv.conf"), indent=1))
+    (d / "kube-proxy.yaml").write_text(json.dumps(node.kube_proxy_config(d / "kube-proxy.kubeconfig"), indent=1))
+    (d / "Corefile").write_text(node.corefile(p.kubeconfig, info["dns_health_port"], info["dns_ready_port"]))
+
+
+def pause_image() -> str:
+    return f"tfps.local/pause:{read_versions()['KUBERNETES_VERSION']}"
+
+
+def ctr(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return node.sh("ctr", "--address", str(node.CONTAINERD_SOCK), "-n", "k8s.io", *args, check=check)
+
+
+def containerd_ready() -> bool:
+    return node.CONTAINERD_SOCK.exists() and ctr("version", check=False).returncode == 0
+
+
+def load_images(p: Paths) -> None:
+    """The pause image and the project's images (hack/build-images.sh builds them), imported into
+    the node's containerd unless it has them already."""
+    have = set(ctr("images", "ls", "-q").stdout.split())
+    if pause_image() not in have:
+        archive = cache_dir() / "images" / f"pause-{read_versions()['KUBERNETES_VERSION']}.tar"
+        if not archive.exists():
+            build_pause_image(archive)
+        ctr("images", "import", "--no-unpack", str(archive))
+    proc = subprocess.run([str(REPO / "hack" / "load-images.sh"), "--address", str(node.CONTAINERD_SOCK)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        log.warning("the project's images were not loaded (run `make images`):\n%s", proc.stderr[-2000:])
+    else:
+        log.info("images: %s", proc.stdout.strip().replace("\n", "; "))
+
+
+def build_pause_image(archive: Path) -> None:
+    """FROM scratch, the pause binary built from the Kubernetes source, as uid 65535."""
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    ctx = archive.parent / "pause-context"
+    ctx.mkdir(exist_ok=True)
+    shutil.copy(binary("pause"), ctx / "pause")
+    (ctx / "Containerfile").write_text("FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT [\"/pause\"]\n")
+    node.sh("buildah", "bud", "--isolation=chroot", "--pull=never", "-t", pause_image(), "-f",
+            str(ctx / "Containerfile"), str(ctx))
+    node.sh("buildah", "push", pause_image(), f"docker-archive:{archive}.partial:{pause_image()}")
+    Path(f"{archive}.partial").rename(archive)
 
 
 def live_sessions(p: Paths) -> list[int]:
@@ -485,11 +591,14 @@ def release(p: Paths, pid: int) -> bool:
     return True
 
 
-def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = None) -> dict:
+def up(p: Paths, with_node: bool, session: int | None = None) -> dict:
+    if os.geteuid() != 0:
+        raise SystemExit("hack/cluster.sh up needs root: the node makes a bridge, iptables rules and cgroups")
     missing = missing_binaries()
     if missing:
-        raise SystemExit(f"control-plane binaries not built: {', '.join(missing)} "
-                         f"(looked in {bin_dir()}); run hack/build-cluster.sh")
+        raise SystemExit(f"cluster parts missing: {', '.join(missing)} (binaries looked for in {bin_dir()}); "
+                         f"run `make cluster-tools` (hack/build-cluster.sh, hack/build-node.sh, "
+                         f"hack/install-system-deps.sh)")
     t0 = time.monotonic()
     p.root.mkdir(parents=True, exist_ok=True)
     ensure_pki(p)
@@ -504,13 +613,14 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
         for comp in reversed(COMPONENTS[1:]):
             stop(p, comp)
             running[comp] = False
-        stop_pods(p)
         shutil.rmtree(p.etcd_data, ignore_errors=True)
-        info = {"etcd_port": free_port(), "etcd_peer_port": free_port(), "apiserver_port": free_port(),
-                "owner": "session" if session else "manual"}
-        while len({info["etcd_port"], info["etcd_peer_port"], info["apiserver_port"]}) < 3:
-            info["apiserver_port"] = free_port()
-        info["apiserver_url"] = f"https://127.0.0.1:{info['apiserver_port']}"
+        ports = set()
+        while len(ports) < 5:
+            ports.add(free_port())
+        info = dict(zip(("etcd_port", "etcd_peer_port", "apiserver_port", "dns_health_port", "dns_ready_port"),
+                        sorted(ports)))
+        info["owner"] = "session" if session else "manual"
+        info["apiserver_url"] = f"https://{node.NODE_IP}:{info['apiserver_port']}"
         p.info.write_text(json.dumps(info, indent=1))
         write_kubeconfig(p, info["apiserver_url"])
         spawn(p, "etcd", etcd_argv(p, info))
@@ -524,6 +634,16 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
     if not p.kubeconfig.exists():
         write_kubeconfig(p, url)
 
+    node_up = all(running[c] for c in NODE)
+    if not node_up:
+        # The node's network must exist before the apiserver binds the node address.
+        for comp in reversed(NODE):
+            stop(p, comp)
+            running[comp] = False
+        stop_other_owner(p)
+        node.prepare()
+        (node.NODE_RUN / "owner").write_text(str(p.root))
+
     # Components whose flags changed since they started are restarted (etcd never: it would start empty).
     for comp in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
         if running[comp] and stale(p, comp, ARGV[comp](p, info)):
@@ -531,9 +651,6 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
             stop(p, comp)
             running[comp] = False
     if not running["kube-apiserver"]:
-        if not port_free(info["apiserver_port"]):
-            raise SystemExit(f"port {info['apiserver_port']} is taken by another process; "
-                             f"run `hack/cluster.sh down` and `up` again")
         spawn(p, "kube-apiserver", apiserver_argv(p, info))
         started.append("kube-apiserver")
     wait_for("kube-apiserver /readyz", lambda: api_get(p, url, "/readyz")[0] == 200, 120, "kube-apiserver", p)
@@ -548,22 +665,20 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
         raise SystemExit(f"kube-scheduler exited; see {p.logfile('kube-scheduler')}:\n"
                          + tail(p.logfile("kube-scheduler")))
 
-    if with_node:
-        # Without flags, a running node keeps the ones it was started with (say, more GPUs).
-        node_argv = localnode_argv(p, info, node_args)
-        if running["localnode"] and not node_args:
-            node_argv = recorded(p, "localnode", "argv") or node_argv
-        if running["localnode"] and stale(p, "localnode", node_argv):
-            log.info("the local node's code or flags changed: restarting it (its pods are adopted)")
-            stop(p, "localnode")
-            running["localnode"] = False
-        if not running["localnode"]:
-            pid = spawn(p, "localnode", node_argv)
-            started.append("localnode")
-            marker = p.root / "localnode.ready"  # written once the new node has registered
-            wait_for("the local node to register", lambda: marker.exists() and marker.read_text() == str(pid), 60,
-                     "localnode", p)
-        wait_for(f"node {NODE_NAME} Ready", lambda: node_ready(p, url), 60, "localnode", p)
+    if with_node and not node_up:
+        write_node_config(p, info)
+        spawn(p, "containerd", containerd_argv(p, info))
+        wait_for("containerd", containerd_ready, 60, "containerd", p)
+        load_images(p)
+        spawn(p, "kubelet", kubelet_argv(p, info))
+        wait_for(f"node {NODE_NAME} Ready", lambda: node_ready(p, url), 120, "kubelet", p)
+        advertise_extended_resources(p, url)
+        for comp in ("kube-proxy", "coredns", "kube-router"):
+            spawn(p, comp, ARGV[comp](p, info))
+        wait_for("CoreDNS ready", lambda: http_ok(f"http://127.0.0.1:{info['dns_ready_port']}/ready"), 60,
+                 "coredns", p)
+        wait_for("the kubernetes Service's iptables rules (kube-proxy)", kube_proxy_synced, 60, "kube-proxy", p)
+        started += list(NODE)
 
     info = {**info, "started": started, "seconds": round(time.monotonic() - t0, 1)}
     log.info("cluster up at %s (started: %s) in %.1fs", url, ", ".join(started) or "nothing, reused",
@@ -571,48 +686,68 @@ def up(p: Paths, with_node: bool, node_args: list[str], session: int | None = No
     return info
 
 
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def kube_proxy_synced() -> bool:
+    rules = node.sh("iptables-save", "-t", "nat", check=False).stdout
+    return f"-d {node.KUBERNETES_SERVICE_IP}/32" in rules
+
+
+def stop_other_owner(p: Paths) -> None:
+    """A node started from another state folder (another checkout) is stopped before this one starts."""
+    try:
+        other = Path((node.NODE_RUN / "owner").read_text().strip())
+    except OSError:
+        return
+    if other != p.root and other.exists():
+        log.info("stopping the node started from %s", other)
+        for comp in reversed(NODE):
+            stop(Paths(other), comp)
+
+
 def restart(p: Paths, comps: list[str]) -> list[str]:
     """Stop the named components (those running) and start them again on the same ports and data,
-    etcd's included: the cluster survives, as a real one survives a control-plane restart. Also
-    starts components ended by `stop`. Returns what was started, in start order."""
+    etcd's included: the cluster survives, as a real one survives a control-plane restart, and the
+    node's containers survive a restart of containerd and the kubelet. Also starts components ended
+    by `stop`. Returns what was started, in start order."""
     info = load_info(p)
     if not info or not p.kubeconfig.exists():
         raise SystemExit("no cluster recorded in this state folder: run `hack/cluster.sh up` first")
     order = [c for c in COMPONENTS if c in comps]
-    node_argv = recorded(p, "localnode", "argv") or localnode_argv(p, info, [])
     for comp in reversed(order):
         stop(p, comp)
     url = info["apiserver_url"]
     for comp in order:
-        if comp == "localnode":
-            pid = spawn(p, comp, node_argv)
-            marker = p.root / "localnode.ready"
-            wait_for("the local node to register", lambda: marker.exists() and marker.read_text() == str(pid), 60,
-                     comp, p)
-            continue
-        deadline = time.monotonic() + 30
-        while comp == "kube-apiserver" and not port_free(info["apiserver_port"]) and time.monotonic() < deadline:
-            time.sleep(0.2)  # the old process's socket lingers a moment
-        spawn(p, comp, ARGV[comp](p, info) if comp != "etcd" else etcd_argv(p, info))
+        spawn(p, comp, ARGV[comp](p, info))
         if comp == "etcd":
             wait_for("etcd /health", lambda: etcd_healthy(info), 60, comp, p)
         elif comp == "kube-apiserver":
             wait_for("kube-apiserver /readyz", lambda: api_get(p, url, "/readyz")[0] == 200, 120, comp, p)
+        elif comp == "containerd":
+            wait_for("containerd", containerd_ready, 60, comp, p)
+        elif comp == "kubelet":
+            wait_for("the kubelet's /healthz", lambda: http_ok("http://127.0.0.1:10248/healthz"), 60, comp, p)
     log.info("restarted %s", ", ".join(order))
     return order
 
 
-def stop_pods(p: Paths) -> None:
-    """The node leaves pod processes running across its own restarts; a full stop ends them."""
-    if (p.root / "run").exists():
-        subprocess.run([venv_python(), str(REPO / "hack" / "localnode.py"), "stop-pods",
-                        f"--state-dir={p.root}"], check=False)
-
-
 def down(p: Paths, purge: bool) -> None:
-    stop(p, "localnode")
-    stop_pods(p)
-    for comp in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
+    for comp in reversed(NODE):
+        stop(p, comp)
+    try:
+        owner = (node.NODE_RUN / "owner").read_text().strip()
+    except OSError:
+        owner = str(p.root)
+    if owner == str(p.root):
+        node.teardown(purge_images=purge)
+        (node.NODE_RUN / "owner").unlink(missing_ok=True)
+    for comp in reversed(CONTROL_PLANE):
         stop(p, comp)
     if purge:
         shutil.rmtree(p.root, ignore_errors=True)
@@ -643,13 +778,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hack/cluster.sh", description=__doc__.split("\n\n")[0])
     ap.add_argument("--state-dir", type=Path, default=None, help="default $TFPS_STATE or <repo>/.tfps")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    u = sub.add_parser("up", help="start (or reuse) the control plane and the local node")
+    u = sub.add_parser("up", help="start (or reuse) the control plane and the node")
     u.add_argument("--no-node", action="store_true", help="control plane only")
     u.add_argument("--json", action="store_true", help="print what was started as JSON")
     u.add_argument("--session", type=int, help="pid of a test session using the cluster (see `release`)")
-    u.add_argument("node_args", nargs="*", help="extra flags for hack/localnode.py run (after --)")
     d = sub.add_parser("down", help="stop everything started from this state folder")
-    d.add_argument("--purge", action="store_true", help="also delete the state folder")
+    d.add_argument("--purge", action="store_true", help="also delete the state folder and the node's image store")
     r = sub.add_parser("release", help="a session is done; the last one out stops a cluster sessions started")
     r.add_argument("--session", type=int, required=True)
     st = sub.add_parser("stop", help="stop single components (`up` starts them again)")
@@ -666,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Paths(args.state_dir or state_dir())
     if args.cmd == "up":
         with locked(p):
-            info = up(p, not args.no_node, args.node_args, args.session)
+            info = up(p, not args.no_node, args.session)
         if args.json:
             print(json.dumps({**info, "kubeconfig": str(p.kubeconfig), "state_dir": str(p.root)}))
         else:

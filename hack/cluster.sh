@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The local control plane and local node: hack/cluster.sh up | down [--purge] | stop C... | restart C... | status | env | kubeconfig | logs
+# The local cluster (control plane and a real node; root): hack/cluster.sh up | down [--purge] | stop C... | restart C... | status | env | kubeconfig | logs
 # (see hack/cluster.py). Runs with the project's venv when present, else the system python3.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

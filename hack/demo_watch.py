@@ -1,6 +1,7 @@
 """Follow one TrainingJob until it ends: a progress bar from its status, then a summary.
 
-Used by `make demo`; reads only what any user can read (the TrainingJob's status and Events).
+Used by `make demo`; reads only what any user can read (the TrainingJob's status and Events, and
+its pods' container statuses, for the images that ran).
 """
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--namespace", required=True)
     ap.add_argument("--name", required=True)
+    ap.add_argument("--operator-namespace", default="tfps-system", help="where the chart's operator runs")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before giving up")
     args = ap.parse_args()
     config.load_kube_config()
     api = client.CustomObjectsApi()
+    core = client.CoreV1Api()
     console = Console()
+    images: dict[str, str] = {}
 
     def get() -> dict:
         return api.get_namespaced_custom_object(API_GROUP, API_VERSION, args.namespace, PLURAL, args.name)
@@ -64,17 +68,32 @@ def main() -> int:
             )
             if progress.get("examplesPerSecond"):
                 rates.append(progress["examplesPerSecond"])
+            images.update(images_ran(core, args.namespace, args.name, args.operator_namespace))
             if phase in TERMINAL:
                 break
             time.sleep(1.0)
-    summary(console, obj, rates)
+    summary(console, obj, rates, images)
     if phase != "Succeeded":
         console.print(f"[red]{args.name} ended {phase or 'without finishing'} (timeout {args.timeout:.0f} s)")
         return 1
     return 0
 
 
-def summary(console: Console, obj: dict, rates: list[float]) -> None:
+def images_ran(core: client.CoreV1Api, namespace: str, job: str, operator_namespace: str) -> dict[str, str]:
+    """Replica type (and the operator) -> the image its running container was started from, with
+    the image's ID as the node's runtime reports it."""
+    out = {}
+    pods = core.list_namespaced_pod(namespace, label_selector=f"tfps.io/job-name={job}").items
+    pods += core.list_namespaced_pod(operator_namespace, label_selector="app.kubernetes.io/name=tfps").items
+    for pod in pods:
+        role = (pod.metadata.labels or {}).get("tfps.io/replica-type", "operator")
+        for cs in pod.status.container_statuses or []:
+            if cs.image_id and (cs.state.running or cs.state.terminated):
+                out[role] = f"{cs.image} ({cs.image_id.rsplit(':', 1)[-1][:12]})"
+    return out
+
+
+def summary(console: Console, obj: dict, rates: list[float], images: dict[str, str]) -> None:
     status = obj.get("status") or {}
     progress = status.get("progress") or {}
     meta = obj["metadata"]
@@ -85,13 +104,16 @@ def summary(console: Console, obj: dict, rates: list[float]) -> None:
         table.add_row(label, fmt.format(progress[key]) if key in progress else "n/a")
     table.add_row("examples/s (median while training)", f"{statistics.median(rates):.0f}" if rates else "n/a")
     table.add_row("started / completed", f"{status.get('startTime', '?')} / {status.get('completionTime', '?')}")
+    for role, image in sorted(images.items()):
+        table.add_row(f"image ({role})", image)
     console.print(table)
     console.print(
         "Metrics: every PS and worker pod serves Prometheus metrics on port 9090 (/metrics); "
         "the operator on its metrics port. With prometheus-operator, install the chart with "
         "--set monitoring.podMonitor.enabled=true and import charts/tfps/files/dashboard.json into Grafana. "
-        "Here the local node gives each pod a 127.x address: `kubectl get pods -o wide` shows it, "
-        "and `curl http://<podIP>:9090/metrics` reads a pod's metrics."
+        "Here each pod has its own address on the node's bridge (198.18.0.0/24): `kubectl get pods -o wide` "
+        "shows it, and `curl http://<podIP>:9090/metrics` reads a pod's metrics from this machine; "
+        "`kubectl port-forward pod/<pod> 9090` works too."
     )
 
 

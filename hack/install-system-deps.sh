@@ -1,12 +1,26 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the tests and the demo use (openssl for the PKI, util-linux
-# for unshare, Prometheus and promtool for the metrics tests). Idempotent and quiet when present.
+# Installs the Debian packages the cluster, the images, the tests and the demo use. Idempotent
+# and quiet when everything is present.
+#   openssl (the PKI), util-linux (unshare), prometheus + promtool (the metrics tests),
+#   the node: containerd + runc, the CNI plugins, iptables, ipset, conntrack, iproute2,
+#   the images: buildah (daemonless builds) and mmdebstrap (the Debian base image).
 set -euo pipefail
 need=()
-command -v openssl >/dev/null || need+=(openssl)
-command -v unshare >/dev/null || need+=(util-linux)
-command -v prometheus >/dev/null || need+=(prometheus)
-command -v promtool >/dev/null || need+=(prometheus)
+want() { command -v "$1" >/dev/null || [ -e "$1" ] || need+=("$2"); }
+want openssl openssl
+want unshare util-linux
+want prometheus prometheus
+want promtool prometheus
+want containerd containerd
+want runc runc
+want /usr/lib/cni/bridge containernetworking-plugins
+want iptables iptables
+want ipset ipset
+want conntrack conntrack
+want ip iproute2
+want buildah buildah
+want mmdebstrap mmdebstrap
+want gcc gcc
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "install-system-deps: need root to install: ${need[*]}" >&2; exit 1
@@ -15,6 +29,8 @@ echo "install-system-deps: installing ${need[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-# Debian's package starts a prometheus service where systemd runs; the tests start their own.
-(command -v systemctl >/dev/null && systemctl disable --now prometheus 2>/dev/null) || true
+# Debian's packages start services where systemd runs; the cluster and the tests start their own.
+if command -v systemctl >/dev/null; then
+  systemctl disable --now prometheus containerd 2>/dev/null || true
+fi
 pkill -x prometheus-node-exporter 2>/dev/null || true

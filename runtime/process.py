@@ -35,7 +35,8 @@ ENV_TERMINATION_LOG = "TFPS_TERMINATION_LOG"  # in a pod: where the termination 
 ENV_RETRY_SECONDS = "TFPS_PS_RETRY_SECONDS"  # how long workers retry an unavailable PS
 ENV_WORKER_TIMEOUT = "TFPS_WORKER_TIMEOUT_SECONDS"  # PS: silence after which a worker is not live
 ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"  # TensorFlow threads per pool (intra- and inter-op)
-CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2
+CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1: cpu.cfs_quota_us and cpu.cfs_period_us
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,20 @@ def setup_logging(job: str, replica: str, level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def cgroup_cpus(path: str = CGROUP_CPU_MAX) -> int | None:
+def cgroup_cpus(cpu_max: str = CGROUP_CPU_MAX, v1_dir: str = CGROUP_V1_CPU) -> int | None:
     """The CPUs this process may use by its cgroup's quota (a pod's CPU limit), rounded up;
-    None without a quota."""
+    None without a quota. Reads cgroup v2's cpu.max, else cgroup v1's CFS quota and period."""
     try:
-        quota, period = Path(path).read_text().split()[:2]
-        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+        quota, period = Path(cpu_max).read_text().split()[:2]
     except (OSError, ValueError):
+        try:
+            quota = Path(v1_dir, "cpu.cfs_quota_us").read_text().strip()
+            period = Path(v1_dir, "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return None
+    try:
+        return None if quota in ("max", "-1") else max(1, math.ceil(int(quota) / int(period)))
+    except ValueError:
         return None
 
 
@@ -129,6 +137,8 @@ def configure_threads() -> int | None:
 
         tf.config.threading.set_intra_op_parallelism_threads(count)
         tf.config.threading.set_inter_op_parallelism_threads(count)
+    logging.getLogger("tfps.process").info(json.dumps({
+        "event": "threads", "threads": count, "source": "env" if threads else ("cgroup" if count else "default")}))
     return count
 
 

@@ -1,5 +1,5 @@
-"""Shared fixtures: the local control plane with its local node (`cluster`), and a fresh namespace
-per test (`namespace`).
+"""Shared fixtures: the local cluster, its control plane and its real node (`cluster`), and a fresh
+namespace per test (`namespace`).
 
 The cluster comes from hack/cluster.sh (state in $TFPS_STATE, default <repo>/.tfps). A cluster that
 is already up is reused; one that a test session started is stopped when the last session using it
@@ -7,6 +7,7 @@ ends (set TFPS_KEEP_CLUSTER=1 to keep it for the next run).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "hack" / "cluster.sh"
 
 
+@functools.cache
 def _hack_cluster():
     spec = importlib.util.spec_from_file_location("tfps_hack_cluster", REPO / "hack" / "cluster.py")
     mod = importlib.util.module_from_spec(spec)
@@ -44,6 +46,11 @@ class Cluster:
     state_dir: Path
     apiserver_url: str
     node_name: str = "tfps-local"
+
+    @property
+    def hack(self):
+        """hack/cluster.py, with hack/node.py as its `node`."""
+        return _hack_cluster()
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
@@ -71,16 +78,43 @@ class Cluster:
             if until(pod):
                 return pod
             time.sleep(0.25)
-        node_log = self.state_dir / "logs" / "localnode.log"
-        node_tail = "\n".join(node_log.read_text(errors="replace").splitlines()[-5:]) if node_log.exists() else ""
         raise AssertionError(f"pod {namespace}/{name}: no {what} within {timeout}s; last: "
                              f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}"
-                             f"\nlocal node ({node_log}):\n{node_tail}")
+                             f"\nkubelet ({self.state_dir / 'logs' / 'kubelet.log'}):\n{self.kubelet_log_tail()}")
+
+    def container_pid(self, pod, container: str = "") -> int:
+        """The host pid of a pod's container (its first one unless named), from containerd."""
+        statuses = [cs for cs in pod.status.container_statuses or [] if not container or cs.name == container]
+        assert statuses and statuses[0].container_id, f"{pod.metadata.name}: no container running"
+        cid = statuses[0].container_id.split("://", 1)[1]
+        hc = _hack_cluster()
+        out = subprocess.run(["ctr", "--address", str(hc.node.CONTAINERD_SOCK), "-n", "k8s.io", "tasks", "ls"],
+                             capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines()[1:]:
+            task, pid, *_ = line.split()
+            if task == cid:
+                return int(pid)
+        raise AssertionError(f"containerd runs no task {cid} ({pod.metadata.name})")
+
+    def kubelet_log_tail(self, lines: int = 8) -> str:
+        path = self.state_dir / "logs" / "kubelet.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def pod_log(self, namespace: str, pod: str, container: str = "tensorflow") -> str:
-        """What the local node captured of a pod's container output."""
-        path = self.state_dir / "pods" / namespace / pod / f"{container}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
+        """A pod's container output as `kubectl logs` gives it: the previous run's first when the
+        container was restarted; empty when the pod or its log is gone."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        core = client.CoreV1Api(self.api)
+        out = []
+        for previous in (True, False):
+            try:
+                out.append(core.read_namespaced_pod_log(pod, namespace, container=container, previous=previous))
+            except ApiException as e:
+                if e.status not in (400, 404):
+                    raise
+        return "".join(out)
 
 
 @pytest.fixture(scope="session")
@@ -88,8 +122,8 @@ def cluster():
     hc = _hack_cluster()
     missing = hc.missing_binaries()
     if missing:
-        pytest.skip(f"control-plane binaries not built ({', '.join(missing)} missing under {hc.bin_dir()}); "
-                    f"run `make cluster-tools` (hack/build-cluster.sh)")
+        pytest.skip(f"cluster parts missing ({', '.join(missing)}; binaries under {hc.bin_dir()}); "
+                    f"run `make cluster-tools`")
     state = hc.state_dir()
     session = os.getpid()
     proc = subprocess.run([str(CLUSTER_SH), "up", "--json", f"--session={session}"], capture_output=True,

@@ -1,6 +1,6 @@
 """Helpers of the end-to-end tests: the chart installed by helm, and a TrainingJob run on the real
-stack, watched for duplicate pods (in the API and as processes on this machine) while faults are
-injected."""
+stack, watched for duplicate pods (in the API, and as container processes on this machine) while
+faults are injected."""
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +25,7 @@ from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
 LABEL_JOB, LABEL_TYPE, LABEL_INDEX = "tfps.io/job-name", "tfps.io/replica-type", "tfps.io/replica-index"
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tfps"
+LOCAL_VALUES = REPO / "hack" / "values-local.yaml"  # requests that fit the one-node local cluster
 
 
 def helm(cluster, *args: str, check: bool = True, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -38,8 +39,8 @@ def install_chart(cluster, namespace: str, *set_values: str):
     waited for; uninstalled on exit. Yields the release name."""
     name = f"tfps-{uuid.uuid4().hex[:6]}"
     sets = [a for v in (f"operator.watchNamespaces={{{namespace}}}", *set_values) for a in ("--set", v)]
-    out = helm(cluster, "install", name, str(CHART), "--namespace", namespace, *sets, "--wait", "--timeout", "5m",
-               check=False)
+    out = helm(cluster, "install", name, str(CHART), "--namespace", namespace, "-f", str(LOCAL_VALUES), *sets,
+               "--wait", "--timeout", "5m", check=False)
     assert out.returncode == 0, out.stderr
     try:
         yield name
@@ -54,6 +55,8 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env: dict | None = None) -> dict:
     """digits-mlp, 2 PS + 2 workers, sync; the PS pods keep their checkpoints on a hostPath
     volume, so a recreated PS pod finds them (as it would on a persistent volume)."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir.chmod(0o1777)  # the containers run as uid 10001; a hostPath keeps the host's modes
     ps_container = {"name": "tensorflow", "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}]}
     if ps_env:
         ps_container["env"] = [{"name": k, "value": v} for k, v in ps_env.items()]
@@ -75,8 +78,9 @@ def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env:
 
 
 def job_processes(namespace: str, job: str) -> dict[tuple[str, int], list[int]]:
-    """The Python processes of a job's pods on this machine, by (task type, index), read from
-    /proc (their environment carries the job, namespace and TF_CONFIG the operator set)."""
+    """The Python processes of a job's containers on this machine, by (task type, index), read
+    from the host's /proc (their environment carries the job, namespace and TF_CONFIG the operator
+    set)."""
     out: dict[tuple[str, int], list[int]] = {}
     want = (f"TFPS_JOB_NAME={job}".encode(), f"TFPS_NAMESPACE={namespace}".encode())
     for d in os.listdir("/proc"):
@@ -208,7 +212,7 @@ class JobRun:
 
     def result(self) -> dict:
         """Worker 0's final result (steps, loss, accuracy): its termination message, which the
-        local node puts in the container's terminated state like a kubelet."""
+        kubelet puts in the container's terminated state."""
         pod = self.pod("worker", 0)
         for cs in pod.status.container_statuses or []:
             term = cs.state.terminated if cs.state else None
@@ -217,13 +221,8 @@ class JobRun:
         raise AssertionError(f"worker 0 left no termination message: {pod.status}")
 
     def log(self, rtype: str, index: int) -> str:
-        """The pod's container output, earlier pods of the same name included (the local node
-        keeps a replaced pod's logs in `<pod>.<uid>`)."""
-        pod = f"{self.name}-{rtype}-{index}"
-        root = self.cluster.state_dir / "pods" / self.namespace
-        files = sorted(root.glob(f"{pod}.*/tensorflow.log"), key=lambda p: p.stat().st_mtime)
-        files.append(root / pod / "tensorflow.log")
-        return "\n".join(f.read_text(errors="replace") for f in files if f.exists())
+        """The pod's container output (`kubectl logs`, the previous run's first after a restart)."""
+        return self.cluster.pod_log(self.namespace, f"{self.name}-{rtype}-{index}")
 
     def events(self, rtype: str, index: int, event: str) -> list[dict]:
         out = []
@@ -236,7 +235,7 @@ class JobRun:
         return out
 
     def kill(self, rtype: str, index: int, sig: int = signal.SIGKILL) -> int:
-        """Signal the pod's process (the program itself, not the local node's launcher)."""
+        """Signal the pod's process from the host (a container's processes are the host's too)."""
         pids = job_processes(self.namespace, self.name).get((rtype, index))
         assert pids and len(pids) == 1, f"{rtype}-{index}: processes {pids}"
         os.kill(pids[0], sig)

@@ -4,10 +4,10 @@ most one checkpoint interval and no checkpointed step is lost, and never are two
 API) or two processes (on this machine) alive for one replica, nor more pods than replicas.
 
 The stack is the real one: kube-apiserver, etcd, controller-manager and scheduler, the chart
-installed by helm (its operator is a pod run by the local node, with the chart's ServiceAccount),
-real PS and worker processes. The local node stands in for the kubelet (no container runtime
-here). Tests that restart kube-apiserver/etcd or the local node disturb every user of the
-cluster: run this file in a session of its own (`make reliability` does).
+installed by helm (its operator a container with the chart's ServiceAccount), PS and worker
+containers run by a real kubelet, containerd and runc. Tests that restart kube-apiserver/etcd or
+the node disturb every user of the cluster: run this file in a session of its own (`make
+reliability` does).
 
 Each fault's figures go to the reliability report (hack/reliability.py).
 """
@@ -89,15 +89,10 @@ def _operator_pod(cluster, ns: str):
 
 
 def _kill_operator(cluster, ns: str) -> None:
-    """SIGKILL the operator (the program, under the local node's launcher shell); the local node
-    restarts its container (the Deployment's pod has restartPolicy Always)."""
+    """SIGKILL the operator's process from the host; the kubelet restarts its container (the
+    Deployment's pod has restartPolicy Always)."""
     pod = _operator_pod(cluster, ns)
-    (cs,) = pod.status.container_statuses
-    launcher = int(cs.container_id.rsplit("/", 1)[1])
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    assert children, f"operator launcher {launcher} has no child"
-    for pid in children:
-        os.kill(int(pid), signal.SIGKILL)
+    os.kill(cluster.container_pid(pod), signal.SIGKILL)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         cs = _operator_pod(cluster, ns).status.container_statuses[0]
@@ -122,16 +117,16 @@ def _inject(fault: str, run: JobRun, cluster, ns: str) -> None:
         _cluster_sh(cluster, "stop", "kube-apiserver", "etcd")
         time.sleep(5)  # training goes on without a control plane
         _cluster_sh(cluster, "restart", "etcd", "kube-apiserver")
-    elif fault == "local node stop and start":
-        _cluster_sh(cluster, "stop", "localnode")
-        time.sleep(5)  # pod processes go on without their node
-        _cluster_sh(cluster, "restart", "localnode")
+    elif fault == "node restart (kubelet and containerd)":
+        _cluster_sh(cluster, "stop", "kubelet", "containerd")
+        time.sleep(5)  # containers go on without their node
+        _cluster_sh(cluster, "restart", "containerd", "kubelet")
     else:
         raise ValueError(fault)
 
 
 FAULTS = ["ps-0 SIGKILL", "worker-1 SIGKILL", "ps-0 pod deleted (kubectl)", "worker-1 pod deleted (kubectl)",
-          "operator SIGKILL and restart", "kube-apiserver and etcd restart", "local node stop and start"]
+          "operator SIGKILL and restart", "kube-apiserver and etcd restart", "node restart (kubelet and containerd)"]
 
 
 def _check_run(run: JobRun, baseline: dict, fault: str, before: dict, record_property, status: dict) -> dict:

@@ -1,10 +1,12 @@
 """The whole chain a user walks: `helm install` the chart, `kubectl apply` each example, the
-operator (a pod run by the local node, authenticating with the chart's ServiceAccount token)
-creates the PS and worker pods, real training runs, and the job reaches Succeeded.
+operator (a container of the chart's image, authenticating with the chart's ServiceAccount token)
+creates the PS and worker pods, real training runs in the project's images, and the job reaches
+Succeeded.
 
 Nothing is mocked: real kube-apiserver, etcd, controller-manager and scheduler, real helm and
-kubectl, real PS/worker processes. Only the kubelet is the project's local node (there is no
-container runtime on this machine).
+kubectl, a real kubelet with containerd and runc, the images built from images/. The node has no
+GPU: it advertises nvidia.com/gpu as an extended resource, so GPU workers are scheduled and their
+TensorFlow runs on the CPU.
 """
 from __future__ import annotations
 

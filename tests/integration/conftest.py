@@ -21,7 +21,9 @@ from tfps.runtime.ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "trainingjob.yaml", REPO / "crds" / "kopf-peering.yaml"]
 GROUP, VERSION, PLURAL = "tfps.io", "v1alpha1", "trainingjobs"
-# Pods the local node must not run: tests set their status through the API instead.
+# Requests that fit the one-node local cluster (the chart's values for it), for pods that do run.
+LOCAL_RESOURCES = yaml.safe_load((REPO / "hack" / "values-local.yaml").read_text())["runtime"]["resources"]
+# Pods the node must not run: tests set their status through the API instead.
 UNSCHEDULABLE = {"spec": {"nodeSelector": {"tfps.io/test": "status-set-by-test"}}}
 
 
@@ -74,10 +76,9 @@ class OperatorHarness:
     def start(self, *extra: str, config: dict | None = None) -> subprocess.Popen:
         """Start `tfps operator`; `config` is written as its configuration file."""
         self.metrics_port = free_port()
-        config_path = ""
-        if config:
-            config_path = str(self.log_dir / f"config-{len(self.procs)}.yaml")
-            Path(config_path).write_text(yaml.safe_dump(config))
+        config = {"resources": LOCAL_RESOURCES, **(config or {})}
+        config_path = str(self.log_dir / f"config-{len(self.procs)}.yaml")
+        Path(config_path).write_text(yaml.safe_dump(config))
         log = open(self.log_dir / f"operator-{len(self.procs)}.log", "w")
         proc = subprocess.Popen(
             [sys.executable, "-m", "tfps.cli.main", "operator", "--namespace", self.namespace,

@@ -127,8 +127,8 @@ def test_owner_reference_garbage_collection(cluster, namespace):
 def gpu_pod(name: str, gpus: int) -> dict:
     return {"metadata": {"name": name}, "spec": {
         "restartPolicy": "Never",
-        "containers": [{"name": "tensorflow", "image": "tfps/worker:test",
-                        "command": ["python", "-c", "print('fits')"],
+        "containers": [{"name": "tensorflow", "image": "tfps/worker:0.1.0", "imagePullPolicy": "Never",
+                        "command": ["python3", "-c", "print('fits')"],
                         "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
 
 
@@ -168,7 +168,7 @@ def test_cluster_sh_up_reuses_a_healthy_cluster(cluster):
     assert json.loads(up.stdout.splitlines()[-1])["started"] == []
     status = subprocess.run([cluster_sh, "status"], env=env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0 and "readyz=200" in status.stdout, status.stdout
-    for comp in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "localnode"):
+    for comp in cluster.hack.COMPONENTS:
         assert (cluster.state_dir / "logs" / f"{comp}.log").stat().st_size > 0
     exports = subprocess.run([cluster_sh, "env"], env=env, capture_output=True, text=True, check=True).stdout
     assert f"export KUBECONFIG={cluster.kubeconfig}" in exports

@@ -1,5 +1,5 @@
 """The operator on the real control plane: the children it creates, the status it writes,
-a real run on the local node, and deletion."""
+a real run on the node (containers), and deletion."""
 from __future__ import annotations
 
 import pytest
@@ -58,12 +58,12 @@ def test_deleting_the_job_removes_every_child(tfps_operator):
     wait_for("service gone", lambda: not op.core.list_namespaced_service(ns).items)
 
 
-def test_custom_program_runs_on_the_local_node_and_succeeds(tfps_operator):
-    """No `training`: the pods run the user's own program with TF_CONFIG (real processes)."""
+def test_custom_program_runs_on_the_node_and_succeeds(tfps_operator):
+    """No `training`: the pods run the user's own program with TF_CONFIG (real containers)."""
     op, ns = tfps_operator, tfps_operator.namespace
     program = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
                "print('task', c['task']['type'], c['task']['index'], 'of', len(c['cluster']['worker']))")
-    template = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/worker:test", "command": ["python", "-c", program]}]}}
+    template = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/worker:0.1.0", "command": ["python3", "-c", program]}]}}
     body = job_manifest("own", ps=0, workers=2, template=template, policy="Never")
     del body["spec"]["training"]
     op.create(body)
@@ -96,13 +96,13 @@ while True:
 
 
 def test_progress_is_read_from_the_ps_metrics(tfps_operator):
-    """Real PS-like processes on the local node serve the runtime's PS metrics on their pod IP."""
+    """Real PS-like containers on the node serve the runtime's PS metrics on their pod IP."""
     op = tfps_operator
     op.kill()
     op.start(config={"progressSeconds": 1})
-    ps = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/ps:test", "command": ["python", "-c", PS_PROGRAM]}]}}
-    worker = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/worker:test",
-                                       "command": ["python", "-c", "import time; time.sleep(600)"]}]}}
+    ps = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/ps:0.1.0", "command": ["python3", "-c", PS_PROGRAM]}]}}
+    worker = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/worker:0.1.0",
+                                       "command": ["python3", "-c", "import time; time.sleep(600)"]}]}}
     body = job_manifest("prog", ps=1, workers=1)
     del body["spec"]["training"]
     body["spec"]["replicaSpecs"]["PS"]["template"] = ps

@@ -1,5 +1,5 @@
 """A job the cluster cannot place: the real scheduler leaves a worker asking for more
-nvidia.com/gpu than the local node has (4) Pending, and the operator says why."""
+nvidia.com/gpu than the node advertises (4) Pending, and the operator says why."""
 from __future__ import annotations
 
 import pytest

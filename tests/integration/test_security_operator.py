@@ -1,11 +1,11 @@
 """The operator's security objects on the real API server (kube-apiserver + etcd +
-controller-manager), and pods that use them on the local node.
+controller-manager), and pods that use them on the node.
 
 - each job gets its Secret (owned by the job, immutable, token + CA + certificate) and its
   NetworkPolicy, both before its pods; every pod mounts the Secret; a pod recreated after a
   failure finds the same Secret (never rotated under running pods); deleting the job
   removes both;
-- a training job with spec.training.tls runs to Succeeded on the local node: PS and worker
+- a training job with spec.training.tls runs to Succeeded on the node: PS and worker
   processes read the mounted Secret, talk TLS over the pods' DNS names, the PS says so.
 NetworkPolicies are not enforced here (no CNI runs on this machine): the test checks the
 object the API server stored, not packets being dropped.
@@ -94,7 +94,7 @@ def test_two_jobs_get_different_tokens(tfps_operator):
     assert tokens[0] != tokens[1]
 
 
-def test_tls_training_job_succeeds_on_the_local_node(tfps_operator):
+def test_tls_training_job_succeeds_on_the_node(tfps_operator):
     op, ns = tfps_operator, tfps_operator.namespace
     training = {"model": "digits-mlp", "modelArgs": {"hidden": [32]}, "steps": 40, "batchSize": 32,
                 "optimizer": {"name": "adam", "learningRate": 0.01}, "tls": True}

@@ -32,15 +32,20 @@ def pki(tmp_path_factory) -> hc.Paths:
 
 def test_pki_certificates_chain_to_the_ca(pki):
     d = pki.pki
-    for leaf in ("apiserver", "admin", "kubelet"):
+    for leaf in ("apiserver", "admin", "kubelet", "node", "kube-proxy"):
         out = subprocess.run(["openssl", "verify", "-CAfile", str(d / "ca.crt"), str(d / f"{leaf}.crt")],
                              capture_output=True, text=True)
         assert out.returncode == 0, out.stdout + out.stderr
     serving = openssl_text(d / "apiserver.crt")
-    assert "IP Address:127.0.0.1" in serving and "DNS:kubernetes.default.svc" in serving
+    assert f"IP Address:{hc.node.NODE_IP}" in serving and "DNS:kubernetes.default.svc" in serving
+    assert f"IP Address:{hc.node.KUBERNETES_SERVICE_IP}" in serving  # pods reach it by the Service
     assert "TLS Web Server Authentication" in serving
     admin = openssl_text(d / "admin.crt")
     assert "O = system:masters" in admin and "TLS Web Client Authentication" in admin
+    kubelet = openssl_text(d / "kubelet.crt")  # the apiserver checks it on logs, exec, port-forward
+    assert f"IP Address:{hc.node.NODE_IP}" in kubelet and "TLS Web Server Authentication" in kubelet
+    node_identity = openssl_text(d / "node.crt")  # what the Node authorizer recognises
+    assert f"CN = system:node:{hc.NODE_NAME}" in node_identity and "O = system:nodes" in node_identity
     assert (d / "sa.key").stat().st_mode & 0o077 == 0
     assert "PUBLIC KEY" in (d / "sa.pub").read_text()
 
@@ -51,11 +56,13 @@ def test_pki_is_made_once(pki):
     assert (pki.pki / "ca.crt").read_bytes() == before
 
 
-def test_kubeconfig_points_at_loopback(pki):
-    hc.write_kubeconfig(pki, "https://127.0.0.1:6443")
+def test_kubeconfig_names_the_server_and_the_user(pki, tmp_path):
+    hc.write_kubeconfig(pki, "https://198.19.0.1:6443")
     text = pki.kubeconfig.read_text()
-    assert "server: https://127.0.0.1:6443" in text
+    assert "server: https://198.19.0.1:6443" in text
     assert str(pki.pki / "admin.crt") in text
+    hc.write_kubeconfig(pki, "https://198.19.0.1:6443", user="node", path=tmp_path / "node.kubeconfig")
+    assert str(pki.pki / "node.crt") in (tmp_path / "node.kubeconfig").read_text()
 
 
 def test_binaries_come_from_the_cache(tmp_path, monkeypatch):
@@ -70,10 +77,12 @@ def test_binaries_come_from_the_cache(tmp_path, monkeypatch):
     assert hc.binary("kubectl") == link
 
 
-def test_apiserver_flags_keep_traffic_on_loopback(pki):
+def test_apiserver_serves_on_the_node_address_and_etcd_stays_on_loopback(pki):
     info = {"etcd_port": 1, "etcd_peer_port": 2, "apiserver_port": 3}
     argv = hc.apiserver_argv(pki, info)
-    assert "--bind-address=127.0.0.1" in argv and "--advertise-address=127.0.0.1" in argv
+    assert f"--bind-address={hc.node.NODE_IP}" in argv and f"--advertise-address={hc.node.NODE_IP}" in argv
+    assert f"--service-cluster-ip-range={hc.node.SERVICE_CIDR}" in argv
+    assert "--authorization-mode=Node,RBAC" in argv
     assert "--kubelet-preferred-address-types=InternalIP" in argv
     assert "--etcd-servers=http://127.0.0.1:1" in argv
     assert all("127.0.0.1" in a for a in hc.etcd_argv(pki, info) if "urls" in a or "initial-cluster=" in a)

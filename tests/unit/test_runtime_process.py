@@ -84,8 +84,16 @@ def test_local_processes_split_the_machine_s_cores(tmp_path, monkeypatch):
 def test_threads_follow_the_pod_cpu_limit(tmp_path, content, cpus):
     path = tmp_path / "cpu.max"
     path.write_text(content)
-    assert cgroup_cpus(str(path)) == cpus
-    assert cgroup_cpus(str(tmp_path / "absent")) is None
+    nowhere = str(tmp_path / "no-v1")
+    assert cgroup_cpus(str(path), v1_dir=nowhere) == cpus
+    assert cgroup_cpus(str(tmp_path / "absent"), v1_dir=nowhere) is None
+
+
+@pytest.mark.parametrize("quota, period, cpus", [("-1", "100000", None), ("100000", "100000", 1), ("150000", "100000", 2)])
+def test_threads_follow_the_cgroup_v1_cfs_quota(tmp_path, quota, period, cpus):
+    (tmp_path / "cpu.cfs_quota_us").write_text(quota + "\n")
+    (tmp_path / "cpu.cfs_period_us").write_text(period + "\n")
+    assert cgroup_cpus(str(tmp_path / "no-cpu.max"), v1_dir=str(tmp_path)) == cpus
 
 
 _MALLINFO = r"""
