@@ -8,7 +8,7 @@ export TFPS_CACHE ?= $(HOME)/.cache/tfps
 export PYTHONSAFEPATH := 1
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: test unit integration e2e reliability demo venv cluster-tools system-deps lint bench clean-cluster
+.PHONY: test unit integration e2e reliability demo venv cluster-tools system-deps lint bench clean-cluster images
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -21,31 +21,33 @@ venv: $(STAMP)
 system-deps:
 	hack/install-system-deps.sh
 
+# The control plane's and the node's binaries, built from the Go module proxy into $(TFPS_CACHE)/bin.
 cluster-tools:
 	hack/build-cluster.sh
+	hack/build-node.sh
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
-test: venv system-deps cluster-tools
+test: venv system-deps cluster-tools images
 	$(PY) -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 unit: venv
 	$(PY) -m pytest tests/unit -q
 
-integration: venv system-deps cluster-tools
+integration: venv system-deps cluster-tools images
 	$(PY) -m pytest tests/integration -q
 
-e2e: venv system-deps cluster-tools
+e2e: venv system-deps cluster-tools images
 	$(PY) -m pytest tests/e2e -q
 
 # Faults injected during real training runs, invalid input refused, data lost: the tests, then
 # the report (hack/reliability.py). The fault tests restart the control plane: keep this session alone.
 RELIABILITY_TESTS := tests/e2e/test_faults.py tests/integration/test_checkpoint_crash.py \
 	tests/integration/test_runtime_ps_input.py tests/integration/test_operator_validation.py
-reliability: venv system-deps cluster-tools
+reliability: venv system-deps cluster-tools images
 	TFPS_RELIABILITY_REPORT=$(CURDIR)/.tfps/reliability.json $(PY) -m pytest $(RELIABILITY_TESTS) -q; rc=$$?; \
 	echo; $(PY) hack/reliability.py $(CURDIR)/.tfps/reliability.json; exit $$rc
 
-demo: venv system-deps cluster-tools
+demo: venv system-deps cluster-tools images
 	hack/demo.sh
 
 bench: venv
@@ -53,6 +55,11 @@ bench: venv
 
 lint: venv
 	$(VENV)/bin/hadolint images/*/Dockerfile
+
+# The operator, PS and worker images, built with buildah (no daemon, no registry) into
+# docker-archives under $(TFPS_CACHE)/images/; rebuilt only when their inputs change.
+images: system-deps
+	hack/build-images.sh
 
 clean-cluster:
 	hack/cluster.sh down || true

@@ -244,6 +244,9 @@ def setup_network() -> None:
     sh("ip", "addr", "replace", f"{BRIDGE_IP}/24", "dev", BRIDGE)
     sh("ip", "link", "set", BRIDGE, "up")
     write_sysctl("net/bridge/bridge-nf-call-iptables", "1")  # policies see pod-to-pod traffic on the bridge
+    # Nothing of the cluster's is routed: pods reach each other on the bridge, and the node's
+    # addresses (ClusterIPs DNAT-ed to them) are local. Restored at teardown.
+    write_sysctl("net/ipv4/ip_forward", "0")
     install_guard()
 
 
