@@ -90,7 +90,7 @@ def ev(level: int, msg: str, **fields) -> None:
 def job_fields(pod: dict) -> dict:
     """The TrainingJob and replica a pod belongs to (the operator's labels), for log lines."""
     try:
-        from tfps.operator import naming
+        from tfps.api import naming
     except ImportError:
         return {}
     labels = pod["metadata"].get("labels") or {}

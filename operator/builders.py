@@ -10,10 +10,10 @@ import copy
 import json
 from typing import Any
 
-from tfps.runtime import tfconfig
-from tfps.runtime.spec import API_GROUP, API_VERSION, KIND, ReplicaType, RestartPolicy, TrainingJob
+from tfps.api import naming, tfconfig
+from tfps.api.spec import API_GROUP, API_VERSION, KIND, ReplicaType, RestartPolicy, TrainingJob
 
-from . import naming, security
+from . import security
 from .config import OperatorConfig
 
 # TFJob semantics: the kubelet restarts in place for Always/OnFailure; for ExitCode the
@@ -25,8 +25,8 @@ POD_RESTART_POLICY = {
     RestartPolicy.EXIT_CODE: "Never",
 }
 RUNTIME_ARGS = {ReplicaType.PS: ["ps"]}  # every other type runs `tfps worker`
-OPERATOR_ENV = (tfconfig.ENV_TF_CONFIG, tfconfig.ENV_JOB_NAME, tfconfig.ENV_NAMESPACE,
-                tfconfig.ENV_TRAINING, tfconfig.ENV_BIND_ADDRESS, tfconfig.ENV_METRICS_PORT)
+OPERATOR_ENV = (naming.ENV_TF_CONFIG, naming.ENV_JOB_NAME, naming.ENV_NAMESPACE,
+                naming.ENV_TRAINING, naming.ENV_BIND_ADDRESS, naming.ENV_METRICS_PORT)
 
 
 def owner_reference(job: TrainingJob) -> list[dict[str, Any]]:
@@ -76,22 +76,22 @@ def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
 def _runtime_env(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig) -> list[dict]:
     cfg = tfconfig.tf_config(
         job.name, job.namespace, job.spec, rtype, index,
-        address=lambda t, i: f"{tfconfig.dns_name(job.name, job.namespace, t, i)}:{config.ports.grpc}",
+        address=lambda t, i: f"{naming.dns_name(job.name, job.namespace, t, i)}:{config.ports.grpc}",
     )
     env = [
-        {"name": tfconfig.ENV_TF_CONFIG, "value": json.dumps(cfg, separators=(",", ":"))},
-        {"name": tfconfig.ENV_JOB_NAME, "value": job.name},
-        {"name": tfconfig.ENV_NAMESPACE, "value": job.namespace},
+        {"name": naming.ENV_TF_CONFIG, "value": json.dumps(cfg, separators=(",", ":"))},
+        {"name": naming.ENV_JOB_NAME, "value": job.name},
+        {"name": naming.ENV_NAMESPACE, "value": job.namespace},
     ]
     if job.spec.training is not None:
-        env.append({"name": tfconfig.ENV_TRAINING,
+        env.append({"name": naming.ENV_TRAINING,
                     "value": json.dumps(job.spec.training.to_manifest(), separators=(",", ":"), sort_keys=True)})
     env += [
-        {"name": tfconfig.ENV_BIND_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": tfconfig.ENV_METRICS_PORT, "value": str(config.ports.metrics)},
+        {"name": naming.ENV_BIND_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": naming.ENV_METRICS_PORT, "value": str(config.ports.metrics)},
     ]
     if rtype is ReplicaType.PS:
-        env.append({"name": tfconfig.ENV_DATA_PORT, "value": str(config.ports.data)})
+        env.append({"name": naming.ENV_DATA_PORT, "value": str(config.ports.data)})
     return env
 
 
@@ -152,7 +152,7 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
     replica = job.spec.replica_specs[rtype]
     template = copy.deepcopy(replica.template or {})
     user_spec: dict[str, Any] = template.get("spec") or {}
-    name = naming.child_pod_name(job.name, rtype, index)
+    name = naming.pod_name(job.name, rtype, index)
 
     containers = list(user_spec.get("containers") or [])
     main = next((c for c in containers if c.get("name") == naming.CONTAINER_NAME), None)

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from tfps.runtime.spec import ReplicaType, TrainingJob
+from tfps.api import naming
+from tfps.api.spec import ReplicaType, TrainingJob
 
-from . import builders, naming, progress, security
+from . import builders, progress, security
 from .calls import CREATE, OTHER, Key, PriorityPool, job_key
 from .config import OperatorConfig
 from .kube import Kube

@@ -15,9 +15,9 @@ from typing import Any
 
 import kopf
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api import naming
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
-from . import naming
 from .config import OperatorConfig
 from .controller import Controller
 from .metrics import OperatorMetrics

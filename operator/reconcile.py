@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tfps.runtime.spec import CleanPodPolicy, ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob
+from tfps.api import naming
+from tfps.api.spec import CleanPodPolicy, ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob
 
-from . import naming
 from .status import (
     CREATED, FAILED, FINISHED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
     PodView, condition_true, get_condition, owned_pods, parse_time, ready_column, replica_statuses, set_condition, timestamp,
@@ -273,7 +273,7 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Pla
     for rtype, _ in result.create:  # the status describes the pods as they will be
         status["replicaStatuses"][rtype.value]["pending"] += 1
     if result.create and condition_true(old.get("conditions") or [], CREATED):
-        names = [naming.child_pod_name(job.name, t, i) for t, i in result.create]
+        names = [naming.pod_name(job.name, t, i) for t, i in result.create]
         result.event(NORMAL, "CreatedPods", "created pods " + ", ".join(names))  # scale-up, restarts
     extra = [p for p in live if p.index >= spec.replicas(p.rtype) and p.name not in result.delete]
     result.delete.extend(p.name for p in extra)

@@ -17,10 +17,10 @@ import base64
 import copy
 from typing import Any
 
+from tfps.api import naming
+from tfps.api.spec import ReplicaType, TrainingJob
 from tfps.runtime import auth, pki
-from tfps.runtime.spec import ReplicaType, TrainingJob
 
-from . import naming
 from .config import OperatorConfig
 
 AUTH_VOLUME = "tfps-auth"
@@ -111,6 +111,6 @@ def secure_pod(pod: dict[str, Any]) -> dict[str, Any]:
             continue
         mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") != AUTH_VOLUME]
         c["volumeMounts"] = mounts + [{"name": AUTH_VOLUME, "mountPath": AUTH_MOUNT_PATH, "readOnly": True}]
-        env = [e for e in c.get("env") or [] if e.get("name") != auth.ENV_AUTH_TOKEN_FILE]
-        c["env"] = env + [{"name": auth.ENV_AUTH_TOKEN_FILE, "value": f"{AUTH_MOUNT_PATH}/{auth.TOKEN_KEY}"}]
+        env = [e for e in c.get("env") or [] if e.get("name") != naming.ENV_AUTH_TOKEN_FILE]
+        c["env"] = env + [{"name": naming.ENV_AUTH_TOKEN_FILE, "value": f"{AUTH_MOUNT_PATH}/{auth.TOKEN_KEY}"}]
     return pod

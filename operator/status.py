@@ -5,9 +5,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from tfps.runtime.spec import ReplicaType, TrainingJobSpec
-
-from . import naming
+from tfps.api import naming
+from tfps.api.spec import ReplicaType, TrainingJobSpec
 
 # Phases (status.phase) and condition types (TFJob's).
 PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (

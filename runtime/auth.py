@@ -26,9 +26,10 @@ from typing import Any
 
 import grpc
 
+from tfps.api.naming import ENV_AUTH_TOKEN_FILE
+
 log = logging.getLogger("tfps.auth")
 
-ENV_AUTH_TOKEN_FILE = "TFPS_AUTH_TOKEN_FILE"
 # Keys of the job's Secret = file names in its mounted folder.
 TOKEN_KEY, CA_KEY, CERT_KEY, KEY_KEY = "token", "ca.crt", "tls.crt", "tls.key"
 METADATA_KEY = "authorization"

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
+from tfps.api.naming import ENV_CRASH_AT
+
 from . import wire
 
 FILE_NAME = "shard.tfps"
 # Tests only: "<step>" makes the process SIGKILL itself once (a marker file in the folder
 # remembers it), between writing that step's temporary file and renaming it: a crash in the
 # middle of a checkpoint, made deterministic.
-ENV_CRASH_AT = "TFPS_TEST_CHECKPOINT_CRASH_AT"
 CRASH_MARKER = ".crash-hook-fired"
 
 

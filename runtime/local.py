@@ -24,19 +24,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import auth
-from .ports import LOOPBACK, free_port
-from .process import ENV_INTRA_OP_THREADS, ENV_RESULT_FILE
-from .spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob, load_manifest
-from .tfconfig import (
+from tfps.api.naming import (
+    ENV_AUTH_TOKEN_FILE,
     ENV_BIND_ADDRESS,
+    ENV_INTRA_OP_THREADS,
     ENV_JOB_NAME,
     ENV_METRICS_PORT,
     ENV_NAMESPACE,
+    ENV_RESULT_FILE,
     ENV_TF_CONFIG,
     ENV_TRAINING,
-    tf_config,
 )
+from tfps.api.spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob, load_manifest
+from tfps.api.tfconfig import tf_config
+
+from . import auth
+from .ports import LOOPBACK, free_port
 
 POLL_SECONDS = 0.25
 
@@ -131,7 +134,7 @@ class LocalRun:
             ENV_TRAINING: json.dumps(self.training.to_manifest()),
             ENV_BIND_ADDRESS: LOOPBACK,
             ENV_METRICS_PORT: str(replica.metrics_port),
-            auth.ENV_AUTH_TOKEN_FILE: str(self.token_file),
+            ENV_AUTH_TOKEN_FILE: str(self.token_file),
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             "PYTHONUNBUFFERED": "1",
             # Like torchrun's OMP_NUM_THREADS: processes sharing this machine split its cores
@@ -178,7 +181,7 @@ class LocalRun:
         if self._client is None:
             from .client import ShardClient
 
-            security = auth.ClientSecurity.from_env(self.training.tls, {auth.ENV_AUTH_TOKEN_FILE: str(self.token_file)})
+            security = auth.ClientSecurity.from_env(self.training.tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
             self._client = ShardClient(self._address(ReplicaType.PS, 0), 0, retry_seconds=0, security=security)
         return self._client
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from .spec import OptimizerName, OptimizerSpec
+from tfps.api.spec import OptimizerName, OptimizerSpec
+
 from .zerocopy import as_tensor
 
 SLOTS = {

@@ -16,25 +16,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .malloc import keep_large_buffers
-from .spec import TrainingSpec
-from .tfconfig import (
+from tfps.api.naming import (
     ENV_BIND_ADDRESS,
     ENV_DATA_PORT,
+    ENV_INTRA_OP_THREADS,
     ENV_JOB_NAME,
     ENV_METRICS_PORT,
     ENV_NAMESPACE,
     ENV_TRAINING,
     GRPC_PORT,
     METRICS_PORT,
-    ClusterConfig,
 )
+from tfps.api.spec import TrainingSpec
+from tfps.api.tfconfig import ClusterConfig
 
-ENV_RESULT_FILE = "TFPS_RESULT_FILE"  # worker 0 writes its final JSON result here (tfps local)
-ENV_TERMINATION_LOG = "TFPS_TERMINATION_LOG"  # in a pod: where the termination message goes
-ENV_RETRY_SECONDS = "TFPS_PS_RETRY_SECONDS"  # how long workers retry an unavailable PS
-ENV_WORKER_TIMEOUT = "TFPS_WORKER_TIMEOUT_SECONDS"  # PS: silence after which a worker is not live
-ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"  # TensorFlow threads per pool (intra- and inter-op)
+from .malloc import keep_large_buffers
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 
 

@@ -40,6 +40,8 @@ import numpy as np
 import tensorflow as tf
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tfps.api.spec import ConsistencyMode, TrainingSpec
+
 from . import checkpoint, wire
 from .auth import ServerSecurity
 from .datapath import DataServer, split_host
@@ -47,7 +49,6 @@ from .metrics import PSMetrics
 from .models import Param
 from .optimizers import ShardOptimizer
 from .sharding import Part, initial_part
-from .spec import ConsistencyMode, TrainingSpec
 from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.ps")

@@ -11,7 +11,9 @@ import os
 import signal
 import threading
 
-from .process import ENV_WORKER_TIMEOUT, add_pod_arguments, configure_threads, start_pod_process
+from tfps.api.naming import ENV_WORKER_TIMEOUT
+
+from .process import add_pod_arguments, configure_threads, start_pod_process
 
 log = logging.getLogger("tfps.ps")
 

@@ -19,17 +19,18 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
+from tfps.api.naming import ENV_PIPELINE
+from tfps.api.spec import ConsistencyMode, TrainingSpec, WireDtype
+
 from . import wire
 from .client import ShardClient
 from .metrics import WorkerMetrics
 from .models import BatchSource, ModelDef
 from .sharding import Plan, place, route_rows
-from .spec import ConsistencyMode, TrainingSpec, WireDtype
 from .zerocopy import as_tensor
 
 log = logging.getLogger("tfps.worker")
 
-ENV_PIPELINE = "TFPS_PIPELINE"  # "0": async workers wait for each push before computing on
 
 
 def use_gpu_memory_growth() -> list:

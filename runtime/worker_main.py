@@ -11,7 +11,9 @@ import json
 import logging
 import os
 
-from .process import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ENV_TERMINATION_LOG, add_pod_arguments, configure_threads, start_pod_process
+from tfps.api.naming import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ENV_TERMINATION_LOG
+
+from .process import add_pod_arguments, configure_threads, start_pod_process
 
 log = logging.getLogger("tfps.worker")
 

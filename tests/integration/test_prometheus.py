@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tfps.runtime import tfconfig
+from tfps.api import naming, tfconfig
 from tfps.runtime.ports import free_port
-from tfps.runtime.spec import ReplicaType, TrainingJobSpec
+from tfps.api.spec import ReplicaType, TrainingJobSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -103,15 +103,15 @@ class Run:
 
     def env(self, rtype: ReplicaType, index: int) -> dict[str, str]:
         cfg = tfconfig.tf_config(JOB, self.namespace, self.spec, rtype, index,
-                                 address=lambda t, i: f"{self.ip(t, i)}:{tfconfig.GRPC_PORT}")
+                                 address=lambda t, i: f"{self.ip(t, i)}:{naming.GRPC_PORT}")
         return {
             **os.environ,
-            tfconfig.ENV_TF_CONFIG: json.dumps(cfg),
-            tfconfig.ENV_JOB_NAME: JOB,
-            tfconfig.ENV_NAMESPACE: self.namespace,
-            tfconfig.ENV_TRAINING: json.dumps(self.spec.training.to_manifest()),
-            tfconfig.ENV_BIND_ADDRESS: self.ip(rtype, index),
-            tfconfig.ENV_METRICS_PORT: str(tfconfig.METRICS_PORT),
+            naming.ENV_TF_CONFIG: json.dumps(cfg),
+            naming.ENV_JOB_NAME: JOB,
+            naming.ENV_NAMESPACE: self.namespace,
+            naming.ENV_TRAINING: json.dumps(self.spec.training.to_manifest()),
+            naming.ENV_BIND_ADDRESS: self.ip(rtype, index),
+            naming.ENV_METRICS_PORT: str(naming.METRICS_PORT),
             "TFPS_INTRA_OP_THREADS": "1",
             "TF_CPP_MIN_LOG_LEVEL": "2",
             "CUDA_VISIBLE_DEVICES": "",
@@ -120,16 +120,15 @@ class Run:
     def start(self) -> None:
         tfps = shutil.which("tfps", path=str(Path(sys.executable).parent)) or "tfps"
         for rtype, index in self.replicas():
-            name = tfconfig.pod_name(JOB, rtype, index)
+            name = naming.pod_name(JOB, rtype, index)
             log = open(self.workdir / f"{name}.log", "wb")
             self.procs[name] = subprocess.Popen([tfps, rtype.task_type], env=self.env(rtype, index),
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def targets(self) -> list:
-        from tfps.operator import naming
 
-        return [prom.PodTarget(namespace=self.namespace, name=tfconfig.pod_name(JOB, t, i),
-                               address=f"{self.ip(t, i)}:{tfconfig.METRICS_PORT}",
+        return [prom.PodTarget(namespace=self.namespace, name=naming.pod_name(JOB, t, i),
+                               address=f"{self.ip(t, i)}:{naming.METRICS_PORT}",
                                labels=naming.replica_labels(JOB, t, i), port_name=naming.METRICS_PORT_NAME,
                                container=naming.CONTAINER_NAME)
                 for t, i in self.replicas()]

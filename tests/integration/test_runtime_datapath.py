@@ -11,12 +11,13 @@ import pytest
 
 from tfps.runtime import wire
 from tfps.runtime.auth import Material, ServerSecurity
-from tfps.runtime.datapath import ENV_DATA_PATH, FRAME, DataConnection, DataPathError
+from tfps.api.naming import ENV_DATA_PATH
+from tfps.runtime.datapath import FRAME, DataConnection, DataPathError
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.metrics import Identity, PSMetrics, WorkerMetrics
 from tfps.runtime.ps import Shard, serve
 from tfps.runtime.sharding import place
-from tfps.runtime.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec
 from tfps.runtime.worker import Worker
 
 pytestmark = pytest.mark.integration

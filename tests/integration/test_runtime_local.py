@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tfps.runtime.local import Fault, LocalRun
-from tfps.runtime.spec import load_manifest
+from tfps.api.spec import load_manifest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -12,7 +12,7 @@ import pytest
 from tfps.runtime import wire
 from tfps.runtime.datapath import DataConnection
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.runtime.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec
 
 pytestmark = pytest.mark.integration
 

@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tfps.api.naming import ENV_AUTH_TOKEN_FILE
+from tfps.api.spec import TrainingJob, TrainingSpec
 from tfps.runtime import auth, pki, wire
 from tfps.runtime.auth import ClientSecurity, Material
 from tfps.runtime.client import CLIENT_OPTIONS, ShardClient
 from tfps.runtime.local import LocalRun, free_port
-from tfps.runtime.spec import TrainingJob, TrainingSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -49,12 +50,12 @@ class PSProcess:
                                                       "task": {"type": "ps", "index": 0}}),
                "TFPS_JOB_NAME": "sec", "TFPS_NAMESPACE": "default", "TFPS_TRAINING": json.dumps(training),
                "TFPS_BIND_ADDRESS": "127.0.0.1", "TFPS_METRICS_PORT": str(self.metrics_port),
-               auth.ENV_AUTH_TOKEN_FILE: str(self.token_file), "TF_CPP_MIN_LOG_LEVEL": "2"}
+               ENV_AUTH_TOKEN_FILE: str(self.token_file), "TF_CPP_MIN_LOG_LEVEL": "2"}
         self.log = tmp / "ps.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "tfps.cli.main", "ps"], env=env,
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.own = ClientSecurity.from_env(tls, {auth.ENV_AUTH_TOKEN_FILE: str(self.token_file)})
+        self.own = ClientSecurity.from_env(tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
         self._wait_serving()
 
     def _health_channel(self) -> grpc.Channel:
@@ -112,7 +113,7 @@ def tls_ps(tmp_path_factory):
 def _other_job(tmp: Path, tls: bool) -> ClientSecurity:
     """What a pod of another job holds: its own token (and its own job's CA)."""
     material = pki.issue("other.local", ["localhost"], ["127.0.0.1"]) if tls else None
-    return ClientSecurity.from_env(tls, {auth.ENV_AUTH_TOKEN_FILE: str(auth.write_material(tmp, auth.new_token(), material))})
+    return ClientSecurity.from_env(tls, {ENV_AUTH_TOKEN_FILE: str(auth.write_material(tmp, auth.new_token(), material))})
 
 
 def _push(client: ShardClient, version: int, grads: dict) -> wire.Message:

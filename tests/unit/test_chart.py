@@ -347,7 +347,7 @@ def test_pod_monitor_selects_job_pods_by_label_and_port():
     assert endpoint["port"] == "metrics"
     assert endpoint["honorLabels"] is True
     # The operator names the container port `metrics` and labels pods as selected here.
-    from tfps.operator import naming
+    from tfps.api import naming
     assert naming.METRICS_PORT_NAME == endpoint["port"]
     assert naming.LABEL_JOB == pm["jobLabel"]
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from tfps.operator import naming
-from tfps.runtime import spec as spec_types
+from tfps.api import naming
+from tfps.api import spec as spec_types
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "trainingjob.yaml"
 
@@ -117,7 +117,7 @@ def test_name_rules_match_naming(schema):
     name = _schema_at(schema, "metadata", "name")
     assert name["maxLength"] == naming.MAX_JOB_NAME_LENGTH and name["pattern"] == naming.JOB_NAME_PATTERN
     longest = "a" * naming.MAX_JOB_NAME_LENGTH
-    assert len(naming.child_pod_name(longest, spec_types.ReplicaType.EVALUATOR, naming.MAX_REPLICAS - 1)) == 63
+    assert len(naming.pod_name(longest, spec_types.ReplicaType.EVALUATOR, naming.MAX_REPLICAS - 1)) == 63
 
 
 def test_subresources_and_printer_columns(schema, version):

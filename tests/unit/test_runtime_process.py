@@ -7,7 +7,7 @@ import pytest
 
 from tfps.runtime.local import Fault, LocalRun
 from tfps.runtime.process import ProcessConfig, cgroup_cpus
-from tfps.runtime.spec import TrainingJob
+from tfps.api.spec import TrainingJob
 
 
 def _env(**extra):

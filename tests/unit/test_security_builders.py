@@ -14,11 +14,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tfps.operator import builders, naming, security
+from tfps.api import naming
+from tfps.operator import builders, security
 from tfps.operator.config import OperatorConfig
 from tfps.runtime import auth, pki
-from tfps.runtime.spec import ReplicaType, TrainingJob
-from tfps.runtime.tfconfig import dns_name
+from tfps.api.spec import ReplicaType, TrainingJob
+from tfps.api.naming import dns_name
 
 
 def _job(name="digits", namespace="team-a", uid="1234", template=None, training=True) -> TrainingJob:
@@ -124,7 +125,7 @@ def test_every_pod_mounts_the_job_secret_and_names_the_token_file(training):
         (mount,) = [m for m in c["volumeMounts"] if m["name"] == security.AUTH_VOLUME]
         assert mount == {"name": security.AUTH_VOLUME, "mountPath": "/var/run/tfps/auth", "readOnly": True}
         env = {e["name"]: e.get("value") for e in c["env"]}
-        assert env[auth.ENV_AUTH_TOKEN_FILE] == "/var/run/tfps/auth/token"
+        assert env[naming.ENV_AUTH_TOKEN_FILE] == "/var/run/tfps/auth/token"
         assert spec["automountServiceAccountToken"] is False
 
 
