@@ -10,23 +10,12 @@ import copy
 import json
 from typing import Any
 
-from tfps.api import naming, tfconfig
-from tfps.api.spec import API_GROUP, API_VERSION, KIND, ReplicaType, RestartPolicy, TrainingJob
+from tfps.api import naming, semantics, tfconfig
+from tfps.api.spec import API_GROUP, API_VERSION, KIND, ReplicaType, TrainingJob
 
 from . import security
 from .config import OperatorConfig
 
-# TFJob semantics: the kubelet restarts in place for Always/OnFailure; for ExitCode the
-# operator looks at the exit code and recreates the pod itself.
-POD_RESTART_POLICY = {
-    RestartPolicy.ALWAYS: "Always",
-    RestartPolicy.ON_FAILURE: "OnFailure",
-    RestartPolicy.NEVER: "Never",
-    RestartPolicy.EXIT_CODE: "Never",
-}
-RUNTIME_ARGS = {ReplicaType.PS: ["ps"]}  # every other type runs `tfps worker`
-OPERATOR_ENV = (naming.ENV_TF_CONFIG, naming.ENV_JOB_NAME, naming.ENV_NAMESPACE,
-                naming.ENV_TRAINING, naming.ENV_BIND_ADDRESS, naming.ENV_METRICS_PORT)
 
 
 def owner_reference(job: TrainingJob) -> list[dict[str, Any]]:
@@ -113,8 +102,9 @@ def _container(job: TrainingJob, rtype: ReplicaType, index: int, config: Operato
     c["name"] = naming.CONTAINER_NAME
     c.setdefault("image", config.images.for_type(rtype))
     c.setdefault("imagePullPolicy", config.images.pull_policy)
-    if job.spec.training is not None and "command" not in c:
-        c.setdefault("args", list(RUNTIME_ARGS.get(rtype, ["worker"])))
+    args = semantics.built_in_args(job.spec, rtype)
+    if args is not None and "command" not in c:
+        c.setdefault("args", args)
     c["env"] = _merge_named(_runtime_env(job, rtype, index, config), c.get("env") or [], "name", ours_win=True)
     ports = [{"name": naming.GRPC_PORT_NAME, "containerPort": config.ports.grpc, "protocol": "TCP"},
              {"name": naming.METRICS_PORT_NAME, "containerPort": config.ports.metrics, "protocol": "TCP"}]
@@ -165,7 +155,7 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
         spec["initContainers"] = [_quantities_as_strings(c) for c in spec["initContainers"]]
     spec["hostname"] = name
     spec["subdomain"] = naming.service_name(job.name)
-    spec["restartPolicy"] = POD_RESTART_POLICY[replica.restart_policy]
+    spec["restartPolicy"] = semantics.kubelet_restart_policy(rtype, replica.restart_policy)
     spec.setdefault("enableServiceLinks", False)
     spec.setdefault("securityContext", copy.deepcopy(config.pod_security_context))
     if config.tmp_volume and any(m.get("name") == "tmp" and m.get("mountPath") == "/tmp"
@@ -186,6 +176,5 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
 
 
 def desired_pods(job: TrainingJob, config: OperatorConfig) -> list[dict[str, Any]]:
-    """Every pod of the job, in creation order (PS first: workers wait for them anyway)."""
-    order = (ReplicaType.PS, ReplicaType.CHIEF, ReplicaType.WORKER, ReplicaType.EVALUATOR)
-    return [build_pod(job, rtype, i, config) for rtype in order for i in range(job.spec.replicas(rtype))]
+    """Every pod of the job, in creation order (tfps.api.semantics.REPLICA_ORDER)."""
+    return [build_pod(job, rtype, i, config) for rtype, i in semantics.replicas(job.spec)]

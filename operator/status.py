@@ -16,6 +16,32 @@ PHASES = (PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED)
 FINISHED = (SUCCEEDED, FAILED)
 
 
+class Reason:
+    """The reasons of conditions and Events, in one place (TFJob's names where it has them)."""
+
+    INVALID_SPEC = "InvalidSpec"
+    CREATED = "TrainingJobCreated"
+    CREATED_EVENT = "Created"
+    CREATED_PODS = "CreatedPods"
+    RUNNING = "TrainingJobRunning"
+    ALL_PODS_RUNNING = "AllPodsRunning"
+    SUCCEEDED = "TrainingJobSucceeded"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    POD_RESTARTING = "PodRestarting"
+    POD_RESTARTED = "PodRestarted"
+    SCALED_DOWN = "ScaledDown"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    TTL_EXPIRED = "TTLExpired"
+    UNSCHEDULABLE = "Unschedulable"
+
+    @staticmethod
+    def replica_failed(rtype: ReplicaType) -> str:
+        """`WorkerFailed`, `PSFailed`, ...: a replica failed in a way its restartPolicy does not retry."""
+        return f"{rtype.value}Failed"
+
+
 def timestamp(now: datetime) -> str:
     return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
