@@ -11,43 +11,20 @@ import json
 from typing import Any
 
 from tfps.api import naming, semantics, tfconfig
-from tfps.api.spec import API_GROUP, API_VERSION, KIND, ReplicaType, TrainingJob
+from tfps.api.spec import ReplicaType, TrainingJob
 
 from . import security
 from .config import OperatorConfig
+from .meta import job_labels, object_meta
 
-
-
-def owner_reference(job: TrainingJob) -> list[dict[str, Any]]:
-    uid = job.metadata.get("uid")
-    if not uid:  # `tfps render` of a manifest that was never applied
-        return []
-    return [{"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job.name, "uid": uid,
-             "controller": True, "blockOwnerDeletion": True}]
-
-
-def _metadata(job: TrainingJob, name: str, labels: dict[str, str], extra: dict[str, Any] | None = None) -> dict:
-    extra = extra or {}
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": job.namespace,
-        "labels": {**extra.get("labels", {}), **labels},
-    }
-    if extra.get("annotations"):
-        meta["annotations"] = dict(extra["annotations"])
-    owners = owner_reference(job)
-    if owners:
-        meta["ownerReferences"] = owners
-    return meta
 
 
 def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
     """The headless Service that gives every pod `<pod>.<job>.<ns>.svc`."""
-    labels = {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(job, naming.service_name(job.name), labels),
+        "metadata": object_meta(job, naming.service_name(job.name), job_labels(job)),
         "spec": {
             "clusterIP": "None",
             "selector": naming.job_selector(job.name),
@@ -170,7 +147,7 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
     return security.secure_pod({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _metadata(job, name, naming.replica_labels(job.name, rtype, index), template.get("metadata")),
+        "metadata": object_meta(job, name, naming.replica_labels(job.name, rtype, index), template.get("metadata")),
         "spec": spec,
     })
 

@@ -22,6 +22,7 @@ from tfps.api.spec import ReplicaType, TrainingJob
 from tfps.runtime import auth, pki
 
 from .config import OperatorConfig
+from .meta import object_meta
 
 AUTH_VOLUME = "tfps-auth"
 AUTH_MOUNT_PATH = "/var/run/tfps/auth"
@@ -32,24 +33,13 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def _meta(job: TrainingJob, name: str) -> dict[str, Any]:
-    from .builders import owner_reference  # builders imports this module
-
-    meta = {"name": name, "namespace": job.namespace,
-            "labels": {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY}}
-    owners = owner_reference(job)
-    if owners:
-        meta["ownerReferences"] = owners
-    return meta
-
-
 def build_auth_secret(job: TrainingJob, token: str, tls: pki.TlsMaterial) -> dict[str, Any]:
     """The job's Secret from its material (random parts are the caller's: see new_auth_secret)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(job, naming.auth_secret_name(job.name)),
+        "metadata": object_meta(job, naming.auth_secret_name(job.name)),
         # Pods read it through a volume; nobody edits it (kubelets need not watch it either).
         "immutable": True,
         "data": {auth.TOKEN_KEY: _b64(token.encode()), auth.CA_KEY: _b64(tls.ca_crt),
@@ -72,7 +62,7 @@ def build_network_policy(job: TrainingJob, config: OperatorConfig) -> dict[str, 
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, naming.network_policy_name(job.name)),
+        "metadata": object_meta(job, naming.network_policy_name(job.name)),
         "spec": {
             "podSelector": {"matchLabels": naming.job_selector(job.name)},
             "policyTypes": ["Ingress"],
