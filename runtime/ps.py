@@ -558,16 +558,9 @@ def _handlers(shard: Shard, data_port: int | None, refused) -> grpc.GenericRpcHa
         step = shard.checkpoint_now()
         return json.dumps({"checkpoint_step": step, **shard.status()}).encode()
 
-    return grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Step": grpc.unary_unary_rpc_method_handler(step),
-            "StepStream": grpc.stream_stream_rpc_method_handler(step_stream),
-            "PullFull": grpc.unary_stream_rpc_method_handler(pull_full),
-            "Status": grpc.unary_unary_rpc_method_handler(status),
-            "Finish": grpc.unary_unary_rpc_method_handler(finish),
-        },
-    )
+    implementations = {"Step": step, "StepStream": step_stream, "PullFull": pull_full, "Status": status, "Finish": finish}
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        name: getattr(grpc, f"{shape}_rpc_method_handler")(implementations[name]) for name, shape in wire.METHODS.items()})
 
 
 class PSServer:

@@ -26,7 +26,7 @@ from . import wire
 from .client import ShardClient
 from .metrics import WorkerMetrics
 from .models import BatchSource, ModelDef
-from .sharding import Plan, place, route_rows
+from .sharding import Placement, place, route_rows
 from .zerocopy import as_tensor
 
 log = logging.getLogger("tfps.worker")
@@ -124,7 +124,7 @@ class Worker:
         self.model, self.training, self.index = model, training, index
         self.num_workers, self.metrics = num_workers, metrics
         self.mode = training.consistency.mode
-        self.plan: Plan = place(model.params, len(ps_addresses))
+        self.plan: Placement = place(model.params, len(ps_addresses))
         self.clients = [ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc, security=security) for k, a in enumerate(ps_addresses)]
         self.pool = futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="push") if len(self.clients) > 1 else None
         self.train, self.test = model.data()

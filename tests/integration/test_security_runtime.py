@@ -189,7 +189,7 @@ def test_tls_refuses_plaintext_and_other_cas(tls_ps, tmp_path):
             client.close()
     before = tls_ps.rejected()
     with pytest.raises(grpc.RpcError) as err:
-        no_token.unary_unary(f"/{wire.SERVICE}/Status")(b"", timeout=5)
+        no_token.unary_unary(wire.method_path("Status"))(b"", timeout=5)
     no_token.close()
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert tls_ps.rejected() == before + 1

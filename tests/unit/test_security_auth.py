@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from tfps.api.naming import ENV_AUTH_TOKEN_FILE
-from tfps.runtime import auth, pki
+from tfps.runtime import auth, pki, wire
 
 Details = namedtuple("Details", "method invocation_metadata")
 
@@ -35,7 +35,7 @@ def test_material_reads_what_the_secret_volume_holds(tmp_path):
         auth.Material.from_env(True, {ENV_AUTH_TOKEN_FILE: str(only_token)})
 
 
-def _decide(metadata, method="/tfps.ParameterServer/Step"):
+def _decide(metadata, method=wire.method_path("Step")):
     rejected = []
     interceptor = auth.TokenInterceptor(b"s3cret", lambda: rejected.append(1))
     handler = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok")
@@ -58,7 +58,7 @@ def test_interceptor_admits_only_the_job_token(metadata, admitted):
 def test_refusal_keeps_the_call_shape_and_health_is_open():
     interceptor = auth.TokenInterceptor(b"s3cret", lambda: None)
     stream = grpc.stream_stream_rpc_method_handler(lambda it, ctx: iter(()))
-    denied = interceptor.intercept_service(lambda d: stream, Details("/tfps.ParameterServer/StepStream", ()))
+    denied = interceptor.intercept_service(lambda d: stream, Details(wire.method_path("StepStream"), ()))
     assert denied is not stream and denied.request_streaming and denied.response_streaming
     health = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"")
     assert interceptor.intercept_service(lambda d: health, Details("/grpc.health.v1.Health/Check", ())) is health
