@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict:
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             initial = mlp.initial_values(model, args.seed)
-            params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, initial)]
+            params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, initial, strict=True)]
         # the variables as stored: a partitioned one (ShardedVariable) is several, one per PS
         shards = [v for p in params for v in getattr(p, "variables", [p])]
         lr = tf.constant(args.learning_rate, tf.float32)
@@ -104,7 +104,7 @@ def measure(args: argparse.Namespace) -> dict:
             def replica_fn(x, y):
                 with tf.GradientTape() as tape:
                     loss = mlp.loss_fn(model, params, x, y)
-                for var, grad in zip(shards, tape.gradient(loss, shards)):
+                for var, grad in zip(shards, tape.gradient(loss, shards), strict=True):
                     var.assign_sub(lr * grad)  # plain SGD, applied on the variable's PS
                 return loss
 

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from tfps.api.naming import ENV_AUTH_TOKEN_FILE
+from tfps.api.settings import ProcessSettings
 
 log = logging.getLogger("tfps.auth")
 
@@ -58,8 +59,7 @@ class Material:
     def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> "Material | None":
         """The material named by $TFPS_AUTH_TOKEN_FILE; None when unset. TLS files are read
         (and required) only with `tls`."""
-        env = os.environ if env is None else env
-        path = env.get(ENV_AUTH_TOKEN_FILE)
+        path = ProcessSettings.from_env(env).auth_token_file
         if not path:
             if tls:
                 raise SecurityError(f"spec.training.tls is set but {ENV_AUTH_TOKEN_FILE} is not: no certificate to use")

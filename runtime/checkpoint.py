@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tfps.api.naming import ENV_CRASH_AT
+from tfps.api.settings import ProcessSettings
 
 from . import wire
 
@@ -52,10 +52,10 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
 
 
 def _crash_hook(folder: Path, meta: dict) -> None:
-    at = os.environ.get(ENV_CRASH_AT)
-    if not at or str(meta.get("version")) != at or (folder / CRASH_MARKER).exists():
+    at = ProcessSettings().crash_at
+    if at is None or str(meta.get("version")) != str(at) or (folder / CRASH_MARKER).exists():
         return
-    (folder / CRASH_MARKER).write_text(at)
+    (folder / CRASH_MARKER).write_text(str(at))
     os.kill(os.getpid(), signal.SIGKILL)
 
 

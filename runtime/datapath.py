@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from tfps.api.naming import ENV_DATA_PATH
+from tfps.api.settings import ProcessSettings
 
 from . import wire
 from .auth import REJECT_DETAIL, REJECT_REASON, Material
@@ -61,7 +61,7 @@ class DataPathError(grpc.RpcError):
 
 
 def wanted(env: dict[str, str] | None = None) -> bool:
-    return (os.environ if env is None else env).get(ENV_DATA_PATH, "1") != "0"
+    return ProcessSettings.from_env(env).data_path
 
 
 # ---- frames ----------------------------------------------------------------------------

@@ -16,17 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tfps.api.naming import (
-    ENV_BIND_ADDRESS,
-    ENV_DATA_PORT,
-    ENV_INTRA_OP_THREADS,
-    ENV_JOB_NAME,
-    ENV_METRICS_PORT,
-    ENV_NAMESPACE,
-    ENV_TRAINING,
-    GRPC_PORT,
-    METRICS_PORT,
-)
+from tfps.api.naming import ENV_TRAINING, GRPC_PORT
+from tfps.api.settings import ProcessSettings
 from tfps.api.spec import TrainingSpec
 from tfps.api.tfconfig import ClusterConfig
 
@@ -43,6 +34,7 @@ class ProcessConfig:
     bind_address: str
     metrics_port: int
     data_port: int | None = 0  # None: no data path
+    settings: ProcessSettings | None = None  # the rest of the environment
 
     @property
     def own_port(self) -> int:
@@ -60,18 +52,18 @@ class ProcessConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "ProcessConfig":
-        env = os.environ if env is None else env
-        raw = env.get(ENV_TRAINING)
-        if not raw:
+        settings = ProcessSettings.from_env(env)
+        if settings.training is None:
             raise ValueError(f"{ENV_TRAINING} is not set: the built-in runtime needs spec.training")
         return cls(
-            cluster=ClusterConfig.from_env(env),
-            training=TrainingSpec.model_validate(json.loads(raw)),
-            job=env.get(ENV_JOB_NAME, "local"),
-            namespace=env.get(ENV_NAMESPACE, "default"),
-            bind_address=env.get(ENV_BIND_ADDRESS, "0.0.0.0"),
-            metrics_port=int(env.get(ENV_METRICS_PORT, METRICS_PORT)),
-            data_port=None if env.get(ENV_DATA_PORT) == "off" else int(env.get(ENV_DATA_PORT) or 0),
+            cluster=ClusterConfig.from_env(os.environ if env is None else env),
+            training=settings.training,
+            job=settings.job_name,
+            namespace=settings.namespace,
+            bind_address=settings.bind_address,
+            metrics_port=settings.metrics_port,
+            data_port=settings.data_port_number,
+            settings=settings,
         )
 
 
@@ -118,8 +110,7 @@ def configure_threads() -> int | None:
     (tfps local sets it when it runs several processes on one machine), else the pod's CPU
     limit. TensorFlow would otherwise size them to every core of the node, and processes
     sharing cores then spin against each other."""
-    threads = os.environ.get(ENV_INTRA_OP_THREADS)
-    count = int(threads) if threads else cgroup_cpus()
+    count = ProcessSettings().intra_op_threads or cgroup_cpus()
     if count:
         import tensorflow as tf
 

@@ -7,11 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import threading
-
-from tfps.api.naming import ENV_WORKER_TIMEOUT
 
 from .process import add_pod_arguments, configure_threads, start_pod_process
 
@@ -55,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         index=index,
         metrics=metrics,
         checkpoint_root=cfg.training.checkpoint.path,
-        worker_timeout=float(os.environ.get(ENV_WORKER_TIMEOUT, 10.0)),
+        worker_timeout=cfg.settings.worker_timeout_seconds,
     )
     server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security, data_port=cfg.data_port)
     log.info(json.dumps({

@@ -51,7 +51,7 @@ class Placement:
 
 def _row_splits(rows: int, n: int) -> list[tuple[int, int]]:
     bounds = np.linspace(0, rows, n + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
 
 
 def place(params: list[Param], num_ps: int) -> Placement:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from tfps.api.naming import ENV_PIPELINE
+from tfps.api.settings import ProcessSettings
 from tfps.api.spec import ConsistencyMode, TrainingSpec, WireDtype
 
 from . import wire
@@ -146,7 +145,7 @@ class Worker:
         self.last_loss = math.nan
         self.steps_done = 0
         if pipeline is None:
-            pipeline = os.environ.get(ENV_PIPELINE, "1") != "0"
+            pipeline = ProcessSettings().pipeline
         self.pipeline = pipeline and self.mode is not ConsistencyMode.SYNC and not self.sparse
 
     # ---- calls to all shards in parallel ----

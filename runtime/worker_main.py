@@ -11,8 +11,6 @@ import json
 import logging
 import os
 
-from tfps.api.naming import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ENV_TERMINATION_LOG
-
 from .process import add_pod_arguments, configure_threads, start_pod_process
 
 log = logging.getLogger("tfps.worker")
@@ -48,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
     worker = Worker(
         model, cfg.training, cfg.cluster.ps, max(1, len(cfg.cluster.workers)), index, metrics,
-        retry_seconds=float(os.environ.get(ENV_RETRY_SECONDS, 300.0)),
+        retry_seconds=cfg.settings.ps_retry_seconds,
         security=security,
     )
     log.info(json.dumps({"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}))
@@ -65,23 +63,23 @@ def run(args: argparse.Namespace) -> int:
         worker.close()
     result["local_steps"] = worker.steps_done
     log.info(json.dumps({"event": "eval", **result}))
-    result_file = os.environ.get(ENV_RESULT_FILE)
+    result_file = cfg.settings.result_file
     if result_file:
         tmp = result_file + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(result, fh)
         os.replace(tmp, result_file)
-    write_termination_message(result)
+    write_termination_message(result, cfg.settings.termination_log)
     return 0
 
 
-def write_termination_message(result: dict) -> None:
+def write_termination_message(result: dict, path: str) -> None:
     """In a pod, the kubelet copies this file into the container's terminated state, where the
     operator reads the final result (status.result) after the pods are gone."""
     if not os.environ.get("KUBERNETES_SERVICE_HOST"):
         return  # not in a pod (`tfps local`): the result file above is the channel
     try:
-        with open(os.environ.get(ENV_TERMINATION_LOG, "/dev/termination-log"), "w") as fh:
+        with open(path, "w") as fh:
             json.dump(result, fh, separators=(",", ":"))
     except OSError as err:
         log.warning(json.dumps({"event": "termination-message-unwritten", "error": str(err)}))

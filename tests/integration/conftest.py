@@ -3,7 +3,6 @@ running as a real process (killable, restartable) against the local control plan
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -3,7 +3,7 @@ a real run on the local node, and deletion."""
 from __future__ import annotations
 
 import pytest
-from conftest import UNSCHEDULABLE, job_manifest, tf_config, wait_for
+from conftest import job_manifest, tf_config, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

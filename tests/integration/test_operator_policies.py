@@ -56,7 +56,7 @@ def test_backoff_limit_exhausted_fails_the_job(tfps_operator):
     for attempt in (1, 2):
         uid = _uid(op, "b", "b-worker-0")
         op.set_pod("b-worker-0", "Failed", exit_code=1)
-        wait_for(f"restart {attempt}", lambda: "b-worker-0" in (p := op.pods("b")) and p["b-worker-0"].metadata.uid != uid)
+        wait_for(f"restart {attempt}", lambda uid=uid: "b-worker-0" in (p := op.pods("b")) and p["b-worker-0"].metadata.uid != uid)
         op.set_pod("b-worker-0", "Running")
     op.set_pod("b-worker-0", "Failed", exit_code=1)
     status = op.wait_phase("b", "Failed")

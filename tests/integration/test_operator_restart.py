@@ -22,7 +22,7 @@ def _pod_uids(op, job: str) -> dict[str, str]:
 def test_operator_killed_mid_creation_leaves_exactly_the_right_pods(tfps_operator):
     op = tfps_operator
     expected = {f"big-ps-{i}" for i in range(2)} | {f"big-worker-{i}" for i in range(WORKERS)}
-    for attempt in range(3):
+    for _attempt in range(3):
         op.create(job_manifest("big", ps=2, workers=WORKERS))
         at_kill = wait_for("the first pods", lambda: _pod_uids(op, "big"), timeout=60, interval=0.02)
         op.kill()

@@ -1,6 +1,5 @@
 """Worker 0 exports the trained model as a SavedModel (spec.training.exportPath) that
 serves the same predictions the evaluation measured."""
-import numpy as np
 import pytest
 import tensorflow as tf
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -128,7 +127,7 @@ def test_subresources_and_printer_columns(schema, version):
     assert "status" in version["subresources"]
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert {"Phase", "PS", "Workers", "Step", "Loss", "Age"} <= set(columns)
-    for name, path in columns.items():
+    for path in columns.values():
         if path.startswith(".status"):
             _schema_at(schema, *re.sub(r"^\.", "", path).split("."))
 

@@ -35,7 +35,10 @@ def test_material_reads_what_the_secret_volume_holds(tmp_path):
         auth.Material.from_env(True, {ENV_AUTH_TOKEN_FILE: str(only_token)})
 
 
-def _decide(metadata, method=wire.method_path("Step")):
+STEP = wire.method_path("Step")
+
+
+def _decide(metadata, method=STEP):
     rejected = []
     interceptor = auth.TokenInterceptor(b"s3cret", lambda: rejected.append(1))
     handler = grpc.unary_unary_rpc_method_handler(lambda req, ctx: b"ok")
