@@ -107,7 +107,7 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
         workers, result = cluster.train()
         thread.join(timeout=120)
         assert joined and joined[0].steps_done > 0, "the added worker never trained"
-        assert all(s.num_workers == 3 for s in cluster.shards)
+        assert all(s.consistency.num_workers == 3 for s in cluster.shards)
         assert all(w.batches.num_workers == 3 for w in workers + joined)
         assert result["accuracy"] >= 0.6  # still learning (chance: 0.1); 240 steps is short of convergence
         rejected = cluster.shards[0].metrics.registry.get_sample_value(
