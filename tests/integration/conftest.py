@@ -6,9 +6,8 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -17,23 +16,13 @@ from kubernetes.client.rest import ApiException
 
 from tfps.runtime.ports import free_port
 
+from support import scrape, wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "trainingjob.yaml", REPO / "crds" / "kopf-peering.yaml"]
 GROUP, VERSION, PLURAL = "tfps.io", "v1alpha1", "trainingjobs"
 # Pods the local node must not run: tests set their status through the API instead.
 UNSCHEDULABLE = {"spec": {"nodeSelector": {"tfps.io/test": "status-set-by-test"}}}
-
-
-def wait_for(what: str, fn: Callable[[], Any], timeout: float = 30, interval: float = 0.2):
-    """Poll until fn() is truthy and return it; fail with the last value seen."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 def job_manifest(name: str, ps: int = 2, workers: int = 4, *, policy: str = "OnFailure", template=UNSCHEDULABLE,
@@ -67,12 +56,12 @@ class OperatorHarness:
         self.custom = client.CustomObjectsApi(cluster.api)
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
-        self.metrics_port = 0
+        self.metrics_port = self.health_port = 0
 
     # --- the operator process -------------------------------------------------------
     def start(self, *extra: str, config: dict | None = None) -> subprocess.Popen:
         """Start `tfps operator`; `config` is written as its configuration file."""
-        self.metrics_port = free_port()
+        self.metrics_port, self.health_port = free_port(), free_port()
         config_path = ""
         if config:
             config_path = str(self.log_dir / f"config-{len(self.procs)}.yaml")
@@ -81,7 +70,7 @@ class OperatorHarness:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tfps.cli.main", "operator", "--namespace", self.namespace,
              "--metrics-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
-             "--health-port", str(free_port()), *extra],
+             "--health-port", str(self.health_port), *extra],
             env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": config_path}, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
@@ -105,10 +94,7 @@ class OperatorHarness:
         return "\n".join(p.read_text() for p in sorted(self.log_dir.glob("operator-*.log")))
 
     def metrics(self) -> str:
-        import urllib.request
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            return resp.read().decode()
+        return scrape(self.metrics_port)
 
     # --- TrainingJobs -----------------------------------------------------------------
     def create(self, body: dict) -> dict:

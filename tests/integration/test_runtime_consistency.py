@@ -10,6 +10,8 @@ from tfps.runtime import wire
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.api.spec import TrainingSpec
 
+from support import wait_for
+
 pytestmark = pytest.mark.integration
 
 
@@ -92,8 +94,7 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
     training = _training(steps=240, batchSize=16, optimizer={"name": "adam", "learningRate": 0.003}, consistency={"mode": mode})
     with InProcessCluster(training, num_ps=2, num_workers=2) as cluster:
         def late_worker():
-            while cluster.shards[0].version < 40:
-                threading.Event().wait(0.05)
+            wait_for("step 40", lambda: cluster.shards[0].version >= 40, timeout=120, interval=0.05)
             worker = Worker(cluster.model(), training, cluster.addresses, 3, 2, WorkerMetrics(Identity("inprocess", "default", "worker", 2)))
             try:
                 worker.run()

@@ -14,8 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -29,6 +27,8 @@ from tfps.runtime import auth, pki, wire
 from tfps.runtime.auth import ClientSecurity, Material
 from tfps.runtime.client import CLIENT_OPTIONS, ShardClient
 from tfps.runtime.local import LocalRun, free_port
+
+from support import sample, scrape, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -64,28 +64,22 @@ class PSProcess:
         return grpc.insecure_channel(self.address)
 
     def _wait_serving(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def serving() -> bool:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
             with self._health_channel() as channel:  # no token: probes must get through
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
                 except grpc.RpcError:
-                    pass
-            time.sleep(0.3)
-        raise AssertionError(f"PS not serving: {self.log.read_text()[-3000:]}")
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_for("the PS serving", serving, timeout=timeout, interval=0.3)
 
     def client(self, security: ClientSecurity | None) -> ShardClient:
         return ShardClient(self.address, 0, retry_seconds=0, security=security)
 
     def rejected(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        lines = [ln for ln in text.splitlines()
-                 if ln.startswith("tfps_ps_rejected_requests_total{") and 'reason="unauthenticated"' in ln]
-        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+        return sample(scrape(self.metrics_port), "tfps_ps_rejected_requests_total", reason="unauthenticated") or 0.0
 
     def stop(self) -> None:
         self.proc.terminate()

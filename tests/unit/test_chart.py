@@ -6,7 +6,6 @@ not been built yet (`hack/build-cluster.sh`) or promtool is not installed.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from support import hack_module
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tfps"
@@ -359,10 +360,7 @@ def test_podmonitor_becomes_a_valid_prometheus_scrape_config(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed: run hack/install-system-deps.sh")
-    spec = importlib.util.spec_from_file_location("tfps_hack_prometheus_unit", REPO / "hack" / "prometheus.py")
-    prom = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = prom  # its dataclasses look their module up there
-    spec.loader.exec_module(prom)
+    prom = hack_module("prometheus")
     pm = one(render("monitoring.podMonitor.enabled=true"), "PodMonitor")
     target = prom.PodTarget("ml", "digits-ps-0", "127.0.0.1:9090", {"tfps.io/job-name": "digits"})
     scrape = prom.podmonitor_scrape_config(pm, static_targets=[target])
@@ -451,10 +449,7 @@ def test_alerts_fire_on_the_series_they_watch():
 
 
 def _sync_crd():
-    spec = importlib.util.spec_from_file_location("tfps_hack_sync_crd", REPO / "hack" / "sync-crd.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return hack_module("sync-crd")
 
 
 def test_chart_crd_copies_are_current():
