@@ -143,3 +143,21 @@ def test_top_level_spec_defaults(schema):
     assert spec_node["properties"]["successPolicy"]["default"] == field.default.value
     assert spec_node["properties"]["runPolicy"]["default"] == {}
     assert "default" not in spec_node["properties"]["training"]  # absent = the user's own program
+
+
+def test_model_is_checked_at_admission_like_the_api_checks_it(schema):
+    """The CRD's rule for spec.training.model names the built-ins tfps.api.spec declares (and the
+    runtime builds), and the same function pattern; its message lists the built-ins."""
+    from tfps.runtime.models import BUILTIN
+
+    assert tuple(BUILTIN) == spec_types.BUILT_IN_MODELS
+    (rule,) = _schema_at(schema, "spec", "training", "model")["x-kubernetes-validations"]
+    listed = re.search(r"self in \[(.*?)\]", rule["rule"]).group(1)
+    assert tuple(re.findall(r"'([^']+)'", listed)) == spec_types.BUILT_IN_MODELS
+    assert f"self.matches('{spec_types.MODEL_FUNCTION_PATTERN}')" in rule["rule"]
+    assert ", ".join(spec_types.BUILT_IN_MODELS) in rule["message"]
+    for good in (*spec_types.BUILT_IN_MODELS, "my_models.vision:resnet", "m:f"):
+        assert spec_types.TrainingSpec(model=good).model == good
+    for bad in ("resnet9000", "my-models:f", "pkg.mod:", ":f", "a:b:c"):
+        with pytest.raises(ValueError, match="digits-mlp, mlp, wide-deep"):
+            spec_types.TrainingSpec(model=bad)
