@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from tfps.api.naming import ENV_TRAINING, GRPC_PORT
 from tfps.api.settings import ProcessSettings
@@ -125,9 +126,13 @@ def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
 
 
-def start_pod_process(command: str) -> "ProcessConfig | None":
-    """The pod's config, with logging set up to name the job and replica; None, with the reason on
-    stderr, when the environment holds none (the caller exits 2)."""
+def start_pod_process(command: str, security_from_env: Callable[[bool], Any]) -> "tuple[ProcessConfig, Any] | None":
+    """The pod's config and its security (`security_from_env(tls)`), with logging set up to
+    name the job and replica and TensorFlow's threads sized; None, with the reason logged or
+    on stderr, when the environment holds no usable config (the caller exits 2). Security
+    comes first: a process that cannot check who it talks to must not start at all."""
+    from .auth import SecurityError
+
     try:
         cfg = ProcessConfig.from_env()
     except ValueError as err:
@@ -135,4 +140,10 @@ def start_pod_process(command: str) -> "ProcessConfig | None":
         return None
     setup_logging(cfg.job, f"{command}-{cfg.cluster.task_index}")
     keep_large_buffers()
-    return cfg
+    try:
+        security = security_from_env(cfg.training.tls)
+    except SecurityError as err:
+        logging.getLogger(f"tfps.{command}").error(json.dumps({"event": "failed", command: cfg.cluster.task_index, "detail": str(err)}))
+        return None
+    configure_threads()
+    return cfg, security

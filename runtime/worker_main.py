@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from .process import add_pod_arguments, configure_threads, start_pod_process
+from .process import add_pod_arguments, start_pod_process
 
 log = logging.getLogger("tfps.worker")
 
@@ -21,18 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = start_pod_process("worker")
-    if cfg is None:
-        return 2
-    index = cfg.cluster.task_index
-    from .auth import ClientSecurity, SecurityError
+    from .auth import ClientSecurity
 
-    try:
-        security = ClientSecurity.from_env(cfg.training.tls)
-    except SecurityError as err:
-        log.error(json.dumps({"event": "failed", "worker": index, "detail": str(err)}))
+    started = start_pod_process("worker", ClientSecurity.from_env)
+    if started is None:
         return 2
-    configure_threads()
+    cfg, security = started
+    index = cfg.cluster.task_index
 
     import grpc
 
