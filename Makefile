@@ -53,8 +53,14 @@ demo: venv system-deps cluster-tools images
 bench: venv
 	$(VENV)/bin/tfps bench
 
+# ruff (pyflakes, bugbear, complexity: pyproject.toml), hadolint for the Dockerfiles, helm lint for
+# the chart (skipped, saying so, until hack/build-cluster.sh has built helm). Zero findings.
+HELM ?= $(firstword $(wildcard $(TFPS_CACHE)/bin/current/helm $(TFPS_CACHE)/bin/helm-*/helm) $(TFPS_CACHE)/bin/current/helm)
 lint: venv
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint images/*/Dockerfile
+	@if [ -x "$(HELM)" ]; then $(HELM) lint --strict charts/tfps; \
+	else echo "lint: helm not built yet ($(HELM)): run hack/build-cluster.sh; skipped helm lint"; fi
 
 # The operator, PS and worker images, built with buildah (no daemon, no registry) into
 # docker-archives under $(TFPS_CACHE)/images/; rebuilt only when their inputs change.

@@ -63,6 +63,25 @@ def start_servers(cluster: dict[str, list[str]]) -> list[subprocess.Popen]:
     return procs
 
 
+def _partitioner(tf, args: argparse.Namespace):
+    if not (args.partition and args.ps > 1):
+        return None
+    # as TF's parameter-server tutorial does: large variables split across the PS
+    return tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=256 << 10, max_shards=args.ps)
+
+
+def _warm_up(coordinator, step_fn, iterator, args: argparse.Namespace) -> int:
+    """At least one round (tracing), then until the warm-up time is spent; the steps run."""
+    start, steps = time.perf_counter(), 0
+    while True:
+        for _ in range(args.workers * 4):
+            coordinator.schedule(step_fn, args=(iterator,))
+        coordinator.join()
+        steps += args.workers * 4
+        if time.perf_counter() - start >= args.warmup_seconds:
+            return steps
+
+
 def measure(args: argparse.Namespace) -> dict:
     import tensorflow as tf
 
@@ -74,17 +93,11 @@ def measure(args: argparse.Namespace) -> dict:
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
         )
-        partitioner = None
-        if args.partition and args.ps > 1:
-            # as TF's parameter-server tutorial does: large variables split across the PS
-            partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-                min_shard_bytes=256 << 10, max_shards=args.ps
-            )
-        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=_partitioner(tf, args))
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         with strategy.scope():
             initial = mlp.initial_values(model, args.seed)
-            params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, initial)]
+            params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, initial, strict=True)]
         # the variables as stored: a partitioned one (ShardedVariable) is several, one per PS
         shards = [v for p in params for v in getattr(p, "variables", [p])]
         lr = tf.constant(args.learning_rate, tf.float32)
@@ -104,21 +117,15 @@ def measure(args: argparse.Namespace) -> dict:
             def replica_fn(x, y):
                 with tf.GradientTape() as tape:
                     loss = mlp.loss_fn(model, params, x, y)
-                for var, grad in zip(shards, tape.gradient(loss, shards)):
+                for var, grad in zip(shards, tape.gradient(loss, shards), strict=True):
                     var.assign_sub(lr * grad)  # plain SGD, applied on the variable's PS
                 return loss
 
             x, y = next(it)
             return strategy.run(replica_fn, args=(x, y))
 
-        warm_start, warm_steps = time.perf_counter(), 0
-        while True:  # at least one round (tracing), then until the warm-up time is spent
-            for _ in range(args.workers * 4):
-                coordinator.schedule(step_fn, args=(iterator,))
-            coordinator.join()
-            warm_steps += args.workers * 4
-            if time.perf_counter() - warm_start >= args.warmup_seconds:
-                break
+        warm_start = time.perf_counter()
+        warm_steps = _warm_up(coordinator, step_fn, iterator, args)
         # Schedule in chunks of about CHUNK_SECONDS of work, at most MAX_CHUNKS_IN_FLIGHT
         # queued, so the window ends close to `seconds` whatever the model's speed.
         rate = warm_steps / (time.perf_counter() - warm_start)

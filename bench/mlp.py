@@ -50,7 +50,7 @@ SHAPES = {
 
 def param_count(input_dim: int, hidden: list[int], classes: int) -> int:
     dims = [input_dim, *hidden, classes]
-    return sum(i * o + o for i, o in zip(dims[:-1], dims[1:]))
+    return sum(i * o + o for i, o in zip(dims[:-1], dims[1:], strict=False))
 
 
 def parse_hidden(text: str) -> list[int]:
@@ -73,7 +73,7 @@ def loss_fn(model, params: list, x, y):
     """Mean softmax cross-entropy of the model's forward pass on one batch."""
     import tensorflow as tf
 
-    logits = model.forward({p.name: v for p, v in zip(model.params, params)}, {"x": x})
+    logits = model.forward({p.name: v for p, v in zip(model.params, params, strict=True)}, {"x": x})
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,20 +75,56 @@ def _raw_create_seconds(core, count: int) -> float:
     return seconds
 
 
+def _until(done, timeout: float, interval: float = 0.1) -> bool:
+    """Poll `done()` until it is true or `timeout` seconds pass; whether it became true."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def _new_namespace(core, client) -> str:
+    ns = f"bench-operator-{uuid.uuid4().hex[:6]}"
+    core.create_namespace({"metadata": {"name": ns}})
+
+    def has_default_account() -> bool:  # pods are refused until the namespace's default ServiceAccount exists
+        try:
+            core.read_namespaced_service_account("default", ns)
+            return True
+        except client.ApiException:
+            return False
+
+    _until(has_default_account, timeout=60, interval=0.2)
+    return ns
+
+
+def _delete_jobs(custom, ns: str) -> None:
+    for item in custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]:
+        custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, item["metadata"]["name"])
+    _until(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"], timeout=60, interval=0.2)
+
+
+def _watch_forever(watch, stop: threading.Event, list_fn, *args, on_event) -> None:
+    """A watch that survives its timeouts and the API server's hiccups until `stop`."""
+    while not stop.is_set():
+        try:
+            for ev in watch.Watch().stream(list_fn, *args, timeout_seconds=5):
+                on_event(ev)
+                if stop.is_set():
+                    return
+        except Exception:  # noqa: BLE001 - re-watch; a re-list repeats ADDED, handled by the caller
+            time.sleep(0.1)
+
+
 def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float = 0.0, timeout: float = 180.0,
               timeline: bool = False) -> dict:
     from kubernetes import client, config, watch
 
     api = config.new_client_from_config(config_file=kubeconfig)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
-    ns = f"bench-operator-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": ns}})
-    while True:  # pods are refused until the namespace's default ServiceAccount exists
-        try:
-            core.read_namespaced_service_account("default", ns)
-            break
-        except client.ApiException:
-            time.sleep(0.2)
+    ns = _new_namespace(core, client)
 
     env = {**os.environ, "KUBECONFIG": kubeconfig, "TFPS_OPERATOR_CONFIG": ""}
     log = tempfile.NamedTemporaryFile("w", prefix="tfps-operator-bench-", suffix=".log", delete=False)
@@ -104,17 +139,6 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
     # Status writes go out in parallel, so that seeing pods (the timing) never waits for them.
     patcher = ThreadPoolExecutor(max_workers=8)
     per_job = ps + workers
-
-    def watch_forever(list_fn, *args, on_event):
-        """A watch that survives its timeouts and the API server's hiccups until `stop`."""
-        while not stop.is_set():
-            try:
-                for ev in watch.Watch().stream(list_fn, *args, timeout_seconds=5):
-                    on_event(ev)
-                    if stop.is_set():
-                        return
-            except Exception:  # noqa: BLE001 - re-watch; a re-list repeats ADDED, handled below
-                time.sleep(0.1)
 
     def pod_seen(ev):
         """Records when each new pod is seen, and reports it Running, as a kubelet would."""
@@ -140,35 +164,27 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
         if (obj.get("status") or {}).get("phase") == "Running" and name not in running_at:
             running_at[name] = time.monotonic()
 
-    kubelet = lambda: watch_forever(core.list_namespaced_pod, ns, on_event=pod_seen)  # noqa: E731
-    job_watcher = lambda: watch_forever(custom.list_namespaced_custom_object, GROUP, VERSION, ns, PLURAL,  # noqa: E731
-                                        on_event=job_seen)
+    kubelet = lambda: _watch_forever(watch, stop, core.list_namespaced_pod, ns, on_event=pod_seen)  # noqa: E731
+    job_watcher = lambda: _watch_forever(watch, stop, custom.list_namespaced_custom_object,  # noqa: E731
+                                         GROUP, VERSION, ns, PLURAL, on_event=job_seen)
     threads = [threading.Thread(target=kubelet, daemon=True), threading.Thread(target=job_watcher, daemon=True)]
     for t in threads:
         t.start()
     try:
         # Wait until the operator serves (its first reconcile of a probe job), so the start-up is not timed.
         custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job("warmup", 1, 1))
-        deadline = time.monotonic() + 60
-        while "warmup" not in running_at and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _until(lambda: "warmup" in running_at, timeout=60)
         cpu0, _ = _proc_usage(operator.pid)
         for i in range(jobs):
             name = f"job-{i:02d}"
             created_at[name] = time.monotonic()
             custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, _job(name, ps, workers))
             time.sleep(spacing)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(n in running_at for n in created_at):
-            time.sleep(0.1)
+        _until(lambda: all(n in running_at for n in created_at), timeout=timeout)
         cpu1, peak = _proc_usage(operator.pid)
     finally:
         stop.set()
-        for item in custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]:
-            custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, item["metadata"]["name"])
-        end = time.monotonic() + 60
-        while custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"] and time.monotonic() < end:
-            time.sleep(0.2)
+        _delete_jobs(custom, ns)
         operator.terminate()
         operator.wait(20)
         core.delete_namespace(ns)

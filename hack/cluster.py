@@ -607,45 +607,62 @@ def up(p: Paths, with_node: bool, session: int | None = None) -> dict:
     started: list[str] = []
     if session:
         register_session(p, session)
-
     if not running["etcd"]:
         # A cold etcd starts empty, and everything above it restarts against it.
         for comp in reversed(COMPONENTS[1:]):
             stop(p, comp)
             running[comp] = False
-        shutil.rmtree(p.etcd_data, ignore_errors=True)
-        ports = set()
-        while len(ports) < 5:
-            ports.add(free_port())
-        info = dict(zip(("etcd_port", "etcd_peer_port", "apiserver_port", "dns_health_port", "dns_ready_port"),
-                        sorted(ports)))
-        info["owner"] = "session" if session else "manual"
-        info["apiserver_url"] = f"https://{node.NODE_IP}:{info['apiserver_port']}"
-        p.info.write_text(json.dumps(info, indent=1))
-        write_kubeconfig(p, info["apiserver_url"])
-        spawn(p, "etcd", etcd_argv(p, info))
+        info = start_fresh_etcd(p, session)
         started.append("etcd")
-        wait_for("etcd /health", lambda: etcd_healthy(info), 60, "etcd", p)
     if session is None and info.get("owner") != "manual":
         # Someone wants this cluster by hand: test sessions must no longer stop it when they end.
         info["owner"] = "manual"
         p.info.write_text(json.dumps(info, indent=1))
-    url = info["apiserver_url"]
     if not p.kubeconfig.exists():
-        write_kubeconfig(p, url)
+        write_kubeconfig(p, info["apiserver_url"])
 
     node_up = all(running[c] for c in NODE)
     if not node_up:
         # The node's network must exist before the apiserver binds the node address.
         for comp in reversed(NODE):
             stop(p, comp)
-            running[comp] = False
         stop_other_owner(p)
         node.prepare()
         (node.NODE_RUN / "owner").write_text(str(p.root))
+    started += start_control_plane(p, info, running)
+    if with_node and not node_up:
+        start_node(p, info)
+        started += list(NODE)
+    elif with_node:
+        load_images(p)  # images rebuilt since the node started (a no-op when it has them)
 
-    # Components whose flags changed since they started are restarted (etcd never: it would start empty).
-    for comp in ("kube-apiserver", "kube-controller-manager", "kube-scheduler"):
+    info = {**info, "started": started, "seconds": round(time.monotonic() - t0, 1)}
+    log.info("cluster up at %s (started: %s) in %.1fs", info["apiserver_url"], ", ".join(started) or "nothing, reused",
+             info["seconds"])
+    return info
+
+
+def start_fresh_etcd(p: Paths, session: int | None) -> dict:
+    shutil.rmtree(p.etcd_data, ignore_errors=True)
+    ports = set()
+    while len(ports) < 5:
+        ports.add(free_port())
+    info = dict(zip(("etcd_port", "etcd_peer_port", "apiserver_port", "dns_health_port", "dns_ready_port"),
+                    sorted(ports), strict=True))
+    info["owner"] = "session" if session else "manual"
+    info["apiserver_url"] = f"https://{node.NODE_IP}:{info['apiserver_port']}"
+    p.info.write_text(json.dumps(info, indent=1))
+    write_kubeconfig(p, info["apiserver_url"])
+    spawn(p, "etcd", etcd_argv(p, info))
+    wait_for("etcd /health", lambda: etcd_healthy(info), 60, "etcd", p)
+    return info
+
+
+def start_control_plane(p: Paths, info: dict, running: dict[str, bool]) -> list[str]:
+    """Starts what is not running (and restarts what runs with other flags; etcd never, it would
+    start empty); returns what it started."""
+    url, started = info["apiserver_url"], []
+    for comp in CONTROL_PLANE[1:]:
         if running[comp] and stale(p, comp, ARGV[comp](p, info)):
             log.info("%s was started with other flags: restarting it", comp)
             stop(p, comp)
@@ -654,7 +671,6 @@ def up(p: Paths, with_node: bool, session: int | None = None) -> dict:
         spawn(p, "kube-apiserver", apiserver_argv(p, info))
         started.append("kube-apiserver")
     wait_for("kube-apiserver /readyz", lambda: api_get(p, url, "/readyz")[0] == 200, 120, "kube-apiserver", p)
-
     for comp in ("kube-controller-manager", "kube-scheduler"):
         if not running[comp]:
             spawn(p, comp, ARGV[comp](p, info))
@@ -664,26 +680,22 @@ def up(p: Paths, with_node: bool, session: int | None = None) -> dict:
     if recorded_pid(p, "kube-scheduler") is None:
         raise SystemExit(f"kube-scheduler exited; see {p.logfile('kube-scheduler')}:\n"
                          + tail(p.logfile("kube-scheduler")))
+    return started
 
-    if with_node and not node_up:
-        write_node_config(p, info)
-        spawn(p, "containerd", containerd_argv(p, info))
-        wait_for("containerd", containerd_ready, 60, "containerd", p)
-        load_images(p)
-        spawn(p, "kubelet", kubelet_argv(p, info))
-        wait_for(f"node {NODE_NAME} Ready", lambda: node_ready(p, url), 120, "kubelet", p)
-        advertise_extended_resources(p, url)
-        for comp in ("kube-proxy", "coredns", "kube-router"):
-            spawn(p, comp, ARGV[comp](p, info))
-        wait_for("CoreDNS ready", lambda: http_ok(f"http://127.0.0.1:{info['dns_ready_port']}/ready"), 60,
-                 "coredns", p)
-        wait_for("the kubernetes Service's iptables rules (kube-proxy)", kube_proxy_synced, 60, "kube-proxy", p)
-        started += list(NODE)
 
-    info = {**info, "started": started, "seconds": round(time.monotonic() - t0, 1)}
-    log.info("cluster up at %s (started: %s) in %.1fs", url, ", ".join(started) or "nothing, reused",
-             info["seconds"])
-    return info
+def start_node(p: Paths, info: dict) -> None:
+    url = info["apiserver_url"]
+    write_node_config(p, info)
+    spawn(p, "containerd", containerd_argv(p, info))
+    wait_for("containerd", containerd_ready, 60, "containerd", p)
+    load_images(p)
+    spawn(p, "kubelet", kubelet_argv(p, info))
+    wait_for(f"node {NODE_NAME} Ready", lambda: node_ready(p, url), 120, "kubelet", p)
+    advertise_extended_resources(p, url)
+    for comp in ("kube-proxy", "coredns", "kube-router"):
+        spawn(p, comp, ARGV[comp](p, info))
+    wait_for("CoreDNS ready", lambda: http_ok(f"http://127.0.0.1:{info['dns_ready_port']}/ready"), 60, "coredns", p)
+    wait_for("the kubernetes Service's iptables rules (kube-proxy)", kube_proxy_synced, 60, "kube-proxy", p)
 
 
 def http_ok(url: str) -> bool:

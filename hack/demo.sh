@@ -31,7 +31,7 @@ helm upgrade --install tfps charts/tfps --namespace tfps-system --create-namespa
 kubectl -n tfps-system get pods -l app.kubernetes.io/name=tfps -o wide
 
 say "Applying $job_file in namespace $ns"
-job=$($py -c 'import sys; from tfps.runtime.spec import load_manifest; print(load_manifest(sys.argv[1]).name)' "$job_file")
+job=$($py -c 'import sys; from tfps.api.spec import load_manifest; print(load_manifest(sys.argv[1]).name)' "$job_file")
 kubectl -n "$ns" delete trainingjob "$job" --ignore-not-found --wait=true >/dev/null
 kubectl -n "$ns" apply -f "$job_file"
 

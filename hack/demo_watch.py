@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL, TrainingJob
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, TrainingJob
 
 TERMINAL = {"Succeeded", "Failed"}
 

@@ -10,55 +10,21 @@ import copy
 import json
 from typing import Any
 
-from tfps.runtime import tfconfig
-from tfps.runtime.spec import API_GROUP, API_VERSION, KIND, ReplicaType, RestartPolicy, TrainingJob
+from tfps.api import naming, semantics, tfconfig
+from tfps.api.spec import ReplicaType, TrainingJob
 
-from . import naming, security
+from . import security
 from .config import OperatorConfig
+from .meta import job_labels, object_meta
 
-# TFJob semantics: the kubelet restarts in place for Always/OnFailure; for ExitCode the
-# operator looks at the exit code and recreates the pod itself.
-POD_RESTART_POLICY = {
-    RestartPolicy.ALWAYS: "Always",
-    RestartPolicy.ON_FAILURE: "OnFailure",
-    RestartPolicy.NEVER: "Never",
-    RestartPolicy.EXIT_CODE: "Never",
-}
-RUNTIME_ARGS = {ReplicaType.PS: ["ps"]}  # every other type runs `tfps worker`
-OPERATOR_ENV = (tfconfig.ENV_TF_CONFIG, tfconfig.ENV_JOB_NAME, tfconfig.ENV_NAMESPACE,
-                tfconfig.ENV_TRAINING, tfconfig.ENV_BIND_ADDRESS, tfconfig.ENV_METRICS_PORT)
-
-
-def owner_reference(job: TrainingJob) -> list[dict[str, Any]]:
-    uid = job.metadata.get("uid")
-    if not uid:  # `tfps render` of a manifest that was never applied
-        return []
-    return [{"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job.name, "uid": uid,
-             "controller": True, "blockOwnerDeletion": True}]
-
-
-def _metadata(job: TrainingJob, name: str, labels: dict[str, str], extra: dict[str, Any] | None = None) -> dict:
-    extra = extra or {}
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": job.namespace,
-        "labels": {**extra.get("labels", {}), **labels},
-    }
-    if extra.get("annotations"):
-        meta["annotations"] = dict(extra["annotations"])
-    owners = owner_reference(job)
-    if owners:
-        meta["ownerReferences"] = owners
-    return meta
 
 
 def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
     """The headless Service that gives every pod `<pod>.<job>.<ns>.svc`."""
-    labels = {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(job, naming.service_name(job.name), labels),
+        "metadata": object_meta(job, naming.service_name(job.name), job_labels(job)),
         "spec": {
             "clusterIP": "None",
             "selector": naming.job_selector(job.name),
@@ -76,22 +42,22 @@ def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
 def _runtime_env(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig) -> list[dict]:
     cfg = tfconfig.tf_config(
         job.name, job.namespace, job.spec, rtype, index,
-        address=lambda t, i: f"{tfconfig.dns_name(job.name, job.namespace, t, i)}:{config.ports.grpc}",
+        address=lambda t, i: f"{naming.dns_name(job.name, job.namespace, t, i)}:{config.ports.grpc}",
     )
     env = [
-        {"name": tfconfig.ENV_TF_CONFIG, "value": json.dumps(cfg, separators=(",", ":"))},
-        {"name": tfconfig.ENV_JOB_NAME, "value": job.name},
-        {"name": tfconfig.ENV_NAMESPACE, "value": job.namespace},
+        {"name": naming.ENV_TF_CONFIG, "value": json.dumps(cfg, separators=(",", ":"))},
+        {"name": naming.ENV_JOB_NAME, "value": job.name},
+        {"name": naming.ENV_NAMESPACE, "value": job.namespace},
     ]
     if job.spec.training is not None:
-        env.append({"name": tfconfig.ENV_TRAINING,
+        env.append({"name": naming.ENV_TRAINING,
                     "value": json.dumps(job.spec.training.to_manifest(), separators=(",", ":"), sort_keys=True)})
     env += [
-        {"name": tfconfig.ENV_BIND_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": tfconfig.ENV_METRICS_PORT, "value": str(config.ports.metrics)},
+        {"name": naming.ENV_BIND_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": naming.ENV_METRICS_PORT, "value": str(config.ports.metrics)},
     ]
     if rtype is ReplicaType.PS:
-        env.append({"name": tfconfig.ENV_DATA_PORT, "value": str(config.ports.data)})
+        env.append({"name": naming.ENV_DATA_PORT, "value": str(config.ports.data)})
     return env
 
 
@@ -113,8 +79,9 @@ def _container(job: TrainingJob, rtype: ReplicaType, index: int, config: Operato
     c["name"] = naming.CONTAINER_NAME
     c.setdefault("image", config.images.for_type(rtype))
     c.setdefault("imagePullPolicy", config.images.pull_policy)
-    if job.spec.training is not None and "command" not in c:
-        c.setdefault("args", list(RUNTIME_ARGS.get(rtype, ["worker"])))
+    args = semantics.built_in_args(job.spec, rtype)
+    if args is not None and "command" not in c:
+        c.setdefault("args", args)
     c["env"] = _merge_named(_runtime_env(job, rtype, index, config), c.get("env") or [], "name", ours_win=True)
     ports = [{"name": naming.GRPC_PORT_NAME, "containerPort": config.ports.grpc, "protocol": "TCP"},
              {"name": naming.METRICS_PORT_NAME, "containerPort": config.ports.metrics, "protocol": "TCP"}]
@@ -152,7 +119,7 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
     replica = job.spec.replica_specs[rtype]
     template = copy.deepcopy(replica.template or {})
     user_spec: dict[str, Any] = template.get("spec") or {}
-    name = naming.child_pod_name(job.name, rtype, index)
+    name = naming.pod_name(job.name, rtype, index)
 
     containers = list(user_spec.get("containers") or [])
     main = next((c for c in containers if c.get("name") == naming.CONTAINER_NAME), None)
@@ -165,7 +132,7 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
         spec["initContainers"] = [_quantities_as_strings(c) for c in spec["initContainers"]]
     spec["hostname"] = name
     spec["subdomain"] = naming.service_name(job.name)
-    spec["restartPolicy"] = POD_RESTART_POLICY[replica.restart_policy]
+    spec["restartPolicy"] = semantics.kubelet_restart_policy(rtype, replica.restart_policy)
     spec.setdefault("enableServiceLinks", False)
     spec.setdefault("securityContext", copy.deepcopy(config.pod_security_context))
     if config.tmp_volume and any(m.get("name") == "tmp" and m.get("mountPath") == "/tmp"
@@ -180,12 +147,11 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
     return security.secure_pod({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": _metadata(job, name, naming.replica_labels(job.name, rtype, index), template.get("metadata")),
+        "metadata": object_meta(job, name, naming.replica_labels(job.name, rtype, index), template.get("metadata")),
         "spec": spec,
     })
 
 
 def desired_pods(job: TrainingJob, config: OperatorConfig) -> list[dict[str, Any]]:
-    """Every pod of the job, in creation order (PS first: workers wait for them anyway)."""
-    order = (ReplicaType.PS, ReplicaType.CHIEF, ReplicaType.WORKER, ReplicaType.EVALUATOR)
-    return [build_pod(job, rtype, i, config) for rtype in order for i in range(job.spec.replicas(rtype))]
+    """Every pod of the job, in creation order (tfps.api.semantics.REPLICA_ORDER)."""
+    return [build_pod(job, rtype, i, config) for rtype, i in semantics.replicas(job.spec)]

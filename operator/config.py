@@ -14,10 +14,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from tfps.runtime.spec import ReplicaType
-from tfps.runtime.tfconfig import DATA_PORT, GRPC_PORT, METRICS_PORT
+from tfps.api.naming import DATA_PORT, ENV_OPERATOR_CONFIG, GRPC_PORT, METRICS_PORT
+from tfps.api.spec import ReplicaType
 
-ENV_CONFIG_FILE = "TFPS_OPERATOR_CONFIG"
 
 
 class _Model(BaseModel):
@@ -86,7 +85,7 @@ class OperatorConfig(_Model):
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "OperatorConfig":
-        path = path or os.environ.get(ENV_CONFIG_FILE)
+        path = path or os.environ.get(ENV_OPERATOR_CONFIG)
         if not path:
             return cls()
         with open(path) as fh:

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from tfps.runtime.spec import ReplicaType, TrainingJob
+from tfps.api import naming
+from tfps.api.spec import ReplicaType, TrainingJob
 
-from . import builders, naming, progress, security
+from . import builders, progress, security
 from .calls import CREATE, OTHER, Key, PriorityPool, job_key
 from .config import OperatorConfig
 from .kube import Kube
@@ -73,7 +74,7 @@ class Controller:
                 self.metrics.pods_deleted.inc()
                 log.info("%s: restarting pod %s", ctx, pod_name)
         deleted = [n for n, ok in zip(result.delete, self._calls.map(
-            key, lambda n: self.kube.delete_pod(namespace, n), result.delete)) if ok]
+            key, lambda n: self.kube.delete_pod(namespace, n), result.delete), strict=True) if ok]
         self.metrics.pods_deleted.inc(len(deleted))
         if deleted:
             log.info("%s: deleted pods %s", ctx, ", ".join(deleted))

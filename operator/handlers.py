@@ -1,8 +1,10 @@
 """Thin kopf handlers: settings, one reconcile loop (daemon) per TrainingJob, wake-ups on
 pod and spec changes, a progress timer, and cleanup on deletion.
 
-`register()` binds them to a registry with the operator's configuration, so nothing
-happens at import time and the timer's interval comes from the configuration.
+The handlers are plain module-level functions; what they share (the controller, the wake-up
+flag of each job, ...) is one `Shared` object in kopf's memo (`kopf.run(memo=...)`, see
+operator/main.py). `register()` only binds them to a registry, so nothing happens at import
+time and the timer's interval comes from the configuration.
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from typing import Any
 
 import kopf
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api import naming
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
-from . import naming
 from .config import OperatorConfig
 from .controller import Controller
 from .metrics import OperatorMetrics
@@ -30,25 +32,36 @@ COALESCE_SECONDS = 0.1
 
 
 @dataclass
-class Runtime:
-    """What the handlers share: the controller and a wake-up flag per job."""
+class Peering:
+    """Leader election among operator replicas (kopf's peering)."""
+
+    name: str
+    priority: int = 0
+    lifetime: int = 30
+    standalone: bool = False
+
+
+@dataclass
+class Shared:
+    """What the handlers share, in kopf's memo: the controller and a wake-up flag per job."""
 
     controller: Controller
     executor: ThreadPoolExecutor
     config: OperatorConfig
     metrics: OperatorMetrics
-    peering_name: str
-    peering_priority: int = 0
-    peering_lifetime: int = 30
-    standalone: bool = False
+    peering: Peering
     wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
-    pod_state: dict[str, tuple[str, bool, int]] = field(default_factory=dict)  # by pod uid
+    pod_state: dict[str, tuple[str, bool, int, bool]] = field(default_factory=dict)  # by pod uid
 
     def wake_job(self, namespace: str, name: str) -> None:
         event = self.wake.get((namespace, name))
         if event is not None:
             event.set()
+
+
+def memo_for(shared: Shared) -> kopf.Memo:
+    return kopf.Memo(shared=shared)
 
 
 class NoDiffBase(kopf.DiffBaseStorage):
@@ -94,121 +107,144 @@ def _pod_state(pod: kopf.Body) -> tuple[str, bool, int, bool]:
             unschedulable_reason(status) is not None)
 
 
-def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    peering: Peering = memo.shared.peering
+    # Our own finalizer and annotation names, so that the objects say who holds them.
+    settings.persistence.finalizer = f"{API_GROUP}/operator"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = NoDiffBase()
+    # Events come from "tfps-operator"; kopf's own per-handler log events stay off the
+    # jobs (ours say what happened in the user's words).
+    settings.posting.reporting_component = naming.MANAGED_BY
+    settings.posting.level = logging.WARNING
+    # Leader election: replicas sharing the peering object pause unless they have the
+    # highest priority (main.py gives each a distinct one); a dead leader's record
+    # expires after `lifetime` seconds and a standby takes over.
+    settings.peering.standalone = peering.standalone
+    settings.peering.mandatory = not peering.standalone
+    settings.peering.name = peering.name
+    settings.peering.priority = peering.priority
+    settings.peering.lifetime = peering.lifetime
+    settings.peering.stealth = True
+    # Watches are re-established every few minutes, so a silently dropped connection
+    # never leaves a job without events for long.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    # For the few sync handlers left (login, startup).
+    settings.execution.max_workers = memo.shared.config.reconcile_workers
+    # A hung API call must not stall a job's loop forever.
+    settings.networking.request_timeout = 60
+
+
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    # The same credentials as our own API client (in-cluster, else KUBECONFIG).
+    return kopf.login_via_client(**kwargs)
+
+
+async def _reconcile_once(shared: Shared, key: tuple[str, str], meta: kopf.Meta, first: dict | None,
+                          logger: logging.Logger) -> float | None:
+    """One pass; the seconds until the next one, or None when the job is gone."""
+    namespace, name = key
+    delay = shared.config.resync_seconds
+    try:
+        outcome = await asyncio.get_running_loop().run_in_executor(
+            shared.executor, shared.controller.reconcile, namespace, name, meta.get("creationTimestamp"), first)
+    except Exception as err:  # API unavailable, conflict...: retried, never fatal
+        shared.metrics.reconcile_errors.inc()
+        logger.warning("reconcile failed, retrying in %.0fs: %s", RETRY_SECONDS, err)
+        return RETRY_SECONDS
+    if outcome is None:
+        return None  # gone or being deleted: the deletion handler takes over
+    shared.seen_generation[key] = outcome.body["metadata"].get("generation", 0)
+    shared.metrics.job_phase(key, outcome.plan.status.get("phase"))
+    _post_events(outcome.body, outcome.plan.events)
+    if outcome.plan.requeue_after is not None:
+        delay = min(delay, outcome.plan.requeue_after + 0.05)
+    return delay
+
+
+async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, stopped: kopf.DaemonStopped,
+                   logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+    """Reconcile the job whenever something changes, and at least every resyncSeconds."""
+    shared: Shared = memo.shared
+    key = (namespace, name)
+    wake = shared.wake.setdefault(key, asyncio.Event())
+    # A job never reconciled: its first pass starts from the body the event brought (later
+    # passes read it again: this live view may lag behind our own status writes).
+    new = None if body.get("status") else copy.deepcopy(dict(body))
+    try:
+        while not stopped:
+            wake.clear()
+            first, new = new, None
+            delay = await _reconcile_once(shared, key, meta, first, logger)
+            if delay is None:
+                return
+            if await _sleep(wake, stopped, delay):
+                await _sleep(asyncio.Event(), stopped, COALESCE_SECONDS)
+    finally:
+        if shared.wake.get(key) is wake:
+            del shared.wake[key]
+
+
+# The event handlers are coroutines: they only look at the event and set an asyncio.Event,
+# which must happen on the loop (a sync handler would run in a thread, once per pod event).
+async def job_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    # Spec changes (scale, suspend) bump the generation; our own status writes do not.
+    shared: Shared = memo.shared
+    if meta.get("generation") != shared.seen_generation.get((namespace, name)):
+        shared.wake_job(namespace, name)
+
+
+async def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, body: kopf.Body,
+                    memo: kopf.Memo, **_: Any) -> None:
+    # Only changes a decision can depend on wake the job (not the scheduler's conditions,
+    # not the ADDED of a pending pod the job's own pass just created).
+    shared: Shared = memo.shared
+    if type == "DELETED":
+        shared.pod_state.pop(uid, None)
+    else:
+        state = _pod_state(body)
+        before = shared.pod_state.get(uid)
+        shared.pod_state[uid] = state
+        if state == before or (before is None and state == ("Pending", False, 0, False)):
+            return
+    shared.wake_job(namespace, labels[naming.LABEL_JOB])
+
+
+async def read_progress(name: str, namespace: str, status: kopf.Status, memo: kopf.Memo,
+                        patch: kopf.Patch, **_: Any) -> None:
+    if status.get("phase") not in ("Running", "Restarting"):
+        return
+    shared: Shared = memo.shared
+    new, memo.sample = await asyncio.get_running_loop().run_in_executor(
+        shared.executor, shared.controller.read_progress, namespace, name, getattr(memo, "sample", None))
+    if new:
+        patch.status["progress"] = new
+
+
+async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    # Owner references would do it too, but the garbage collector may take a while.
+    shared: Shared = memo.shared
+    shared.metrics.job_phase((namespace, name), None)
+    shared.seen_generation.pop((namespace, name), None)
+    await asyncio.get_running_loop().run_in_executor(shared.executor, shared.controller.delete_children, namespace, name,
+                                                     uid, meta.get("creationTimestamp"))
+
+
+def register(registry: kopf.OperatorRegistry, progress_seconds: float) -> None:
+    """Bind the handlers above to `registry`."""
     resource = dict(group=API_GROUP, version=API_VERSION, plural=PLURAL, registry=registry)
-
-    @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        # Our own finalizer and annotation names, so that the objects say who holds them.
-        settings.persistence.finalizer = f"{API_GROUP}/operator"
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-        settings.persistence.diffbase_storage = NoDiffBase()
-        # Events come from "tfps-operator"; kopf's own per-handler log events stay off the
-        # jobs (ours say what happened in the user's words).
-        settings.posting.reporting_component = naming.MANAGED_BY
-        settings.posting.level = logging.WARNING
-        # Leader election: replicas sharing the peering object pause unless they have the
-        # highest priority (main.py gives each a distinct one); a dead leader's record
-        # expires after `lifetime` seconds and a standby takes over.
-        settings.peering.standalone = rt.standalone
-        settings.peering.mandatory = not rt.standalone
-        settings.peering.name = rt.peering_name
-        settings.peering.priority = rt.peering_priority
-        settings.peering.lifetime = rt.peering_lifetime
-        settings.peering.stealth = True
-        # Watches are re-established every few minutes, so a silently dropped connection
-        # never leaves a job without events for long.
-        settings.watching.server_timeout = 300
-        settings.watching.client_timeout = 330
-        settings.watching.connect_timeout = 10
-        # For the few sync handlers left (login, startup).
-        settings.execution.max_workers = rt.config.reconcile_workers
-        # A hung API call must not stall a job's loop forever.
-        settings.networking.request_timeout = 60
-
-    @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # The same credentials as our own API client (in-cluster, else KUBECONFIG).
-        return kopf.login_via_client(**kwargs)
-
+    kopf.on.startup(registry=registry)(configure)
+    kopf.on.login(registry=registry)(login)
     # On deletion or pause the loop is told to stop and gets cancellation_backoff seconds to
     # finish its pass before it is cancelled.
-    @kopf.daemon(**resource, cancellation_backoff=1.0, cancellation_timeout=5.0)
-    async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, stopped: kopf.DaemonStopped,
-                       logger: logging.Logger, **_: Any) -> None:
-        """Reconcile the job whenever something changes, and at least every resyncSeconds."""
-        key = (namespace, name)
-        wake = rt.wake.setdefault(key, asyncio.Event())
-        loop = asyncio.get_running_loop()
-        # A job never reconciled: its first pass starts from the body the event brought (later
-        # passes read it again: this live view may lag behind our own status writes).
-        new = None if body.get("status") else copy.deepcopy(dict(body))
-        try:
-            while not stopped:
-                wake.clear()
-                delay = rt.config.resync_seconds
-                first, new = new, None
-                try:
-                    outcome = await loop.run_in_executor(rt.executor, rt.controller.reconcile, namespace, name,
-                                                         meta.get("creationTimestamp"), first)
-                except Exception as err:  # API unavailable, conflict...: retried, never fatal
-                    rt.metrics.reconcile_errors.inc()
-                    logger.warning("reconcile failed, retrying in %.0fs: %s", RETRY_SECONDS, err)
-                    outcome, delay = None, RETRY_SECONDS
-                else:
-                    if outcome is None:
-                        return  # gone or being deleted: the deletion handler takes over
-                    rt.seen_generation[key] = outcome.body["metadata"].get("generation", 0)
-                    rt.metrics.job_phase(key, outcome.plan.status.get("phase"))
-                    _post_events(outcome.body, outcome.plan.events)
-                    if outcome.plan.requeue_after is not None:
-                        delay = min(delay, outcome.plan.requeue_after + 0.05)
-                if await _sleep(wake, stopped, delay):
-                    await _sleep(asyncio.Event(), stopped, COALESCE_SECONDS)
-        finally:
-            if rt.wake.get(key) is wake:
-                del rt.wake[key]
-
-    # The event handlers are coroutines: they only look at the event and set an asyncio.Event,
-    # which must happen on the loop (a sync handler would run in a thread, once per pod event).
-    @kopf.on.event(**resource)
-    async def job_event(name: str, namespace: str, meta: kopf.Meta, **_: Any) -> None:
-        # Spec changes (scale, suspend) bump the generation; our own status writes do not.
-        if meta.get("generation") != rt.seen_generation.get((namespace, name)):
-            rt.wake_job(namespace, name)
-
-    @kopf.on.event("", "v1", "pods", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY, naming.LABEL_JOB: kopf.PRESENT},
-                   registry=registry)
-    async def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> None:
-        # Only changes a decision can depend on wake the job (not the scheduler's conditions,
-        # not the ADDED of a pending pod the job's own pass just created).
-        if type == "DELETED":
-            rt.pod_state.pop(uid, None)
-        else:
-            state = _pod_state(body)
-            before = rt.pod_state.get(uid)
-            rt.pod_state[uid] = state
-            if state == before or (before is None and state == ("Pending", False, 0, False)):
-                return
-        rt.wake_job(namespace, labels[naming.LABEL_JOB])
-
-    @kopf.timer(**resource, interval=rt.config.progress_seconds, initial_delay=rt.config.progress_seconds)
-    async def read_progress(name: str, namespace: str, status: kopf.Status, memo: kopf.Memo,
-                            patch: kopf.Patch, **_: Any) -> None:
-        if status.get("phase") not in ("Running", "Restarting"):
-            return
-        new, memo.sample = await asyncio.get_running_loop().run_in_executor(
-            rt.executor, rt.controller.read_progress, namespace, name, getattr(memo, "sample", None))
-        if new:
-            patch.status["progress"] = new
-
+    kopf.daemon(**resource, cancellation_backoff=1.0, cancellation_timeout=5.0)(job_loop)
+    kopf.on.event(**resource)(job_event)
+    kopf.on.event("", "v1", "pods", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY, naming.LABEL_JOB: kopf.PRESENT},
+                  registry=registry)(pod_event)
+    kopf.timer(**resource, interval=progress_seconds, initial_delay=progress_seconds)(read_progress)
     # optional: this handler asks for no finalizer of its own. (The daemon and the timer do:
     # kopf holds a job with tfps.io/operator until it has stopped them, so a job deleted while
     # no operator runs waits for one; owner references remove its children either way.)
-    @kopf.on.delete(**resource, optional=True)
-    async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, **_: Any) -> None:
-        # Owner references would do it too, but the garbage collector may take a while.
-        rt.metrics.job_phase((namespace, name), None)
-        rt.seen_generation.pop((namespace, name), None)
-        await asyncio.get_running_loop().run_in_executor(rt.executor, rt.controller.delete_children, namespace, name, uid,
-                                                         meta.get("creationTimestamp"))
+    kopf.on.delete(**resource, optional=True)(delete_children)

@@ -12,9 +12,8 @@ from typing import Any
 from kubernetes import client, config as kube_config
 from kubernetes.client.rest import ApiException
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
-
-from . import naming
+from tfps.api import naming
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 log = logging.getLogger(__name__)
 

@@ -63,15 +63,16 @@ def run(args: argparse.Namespace) -> int:
     priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
 
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, handlers.Runtime(
+    handlers.register(registry, config.progress_seconds)
+    shared = handlers.Shared(
         controller=Controller(kube, config, metrics), config=config, metrics=metrics,
         executor=ThreadPoolExecutor(max_workers=config.reconcile_workers, thread_name_prefix="tfps-reconcile"),
-        peering_name=args.peering, peering_priority=priority, peering_lifetime=args.peering_lifetime,
-        standalone=standalone))
+        peering=handlers.Peering(args.peering, priority, args.peering_lifetime, standalone))
     log.info("tfps operator %s (pid %d, priority %d) serving %s", "standalone" if standalone else f"peering {args.peering!r}",
              os.getpid(), priority, ", ".join(namespaces) or "all namespaces")
     kopf.run(
         registry=registry,
+        memo=handlers.memo_for(shared),
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=f"http://{args.metrics_address}:{args.health_port}/healthz" if args.health_port else None,

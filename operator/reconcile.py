@@ -1,27 +1,28 @@
 """The controller's decisions, as a pure function: job + its pods + now -> a Plan.
 
 Level-based: every call looks at the whole state, so running it twice, or after an
-operator restart, gives the same answer. The handlers carry the Plan out.
+operator restart, gives the same answer. The controller (operator/controller.py) carries
+the Plan out. `plan()` goes through the job's life in phases, each a function below; the
+TFJob rules themselves (success, which exits are retried) are tfps.api.semantics', the
+same ones `tfps local` follows.
 """
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from pydantic import ValidationError
 
-from tfps.runtime.spec import CleanPodPolicy, ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob
+from tfps.api import naming, semantics
+from tfps.api.spec import CleanPodPolicy, ReplicaType, TrainingJob
 
-from . import naming
 from .status import (
     CREATED, FAILED, FINISHED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
-    PodView, condition_true, get_condition, owned_pods, parse_time, ready_column, replica_statuses, set_condition, timestamp,
+    PodView, Reason, condition_true, get_condition, owned_pods, parse_time, ready_column, replica_statuses, set_condition, timestamp,
 )
 
-RETRYABLE_EXIT_CODE = 128  # TFJob: >= 128 means killed by a signal (OOM, preemption): worth a retry
 NORMAL, WARNING = "Normal", "Warning"
 
 
@@ -43,34 +44,15 @@ class Plan:
         self.requeue_after = seconds if self.requeue_after is None else min(self.requeue_after, seconds)
 
 
-def _retryable(policy: RestartPolicy, pod: PodView) -> bool:
-    if policy in (RestartPolicy.ALWAYS, RestartPolicy.ON_FAILURE):
-        return True
-    if policy is RestartPolicy.EXIT_CODE:
-        # No exit code (evicted, node lost) is not the program's fault either.
-        return pod.exit_code is None or pod.exit_code >= RETRYABLE_EXIT_CODE
-    return False
-
-
-def _success(job: TrainingJob, pods: list[PodView]) -> str | None:
-    """The success message when the success policy is met, else None."""
-    spec = job.spec
-    done = {(p.rtype, p.index) for p in pods if p.phase == "Succeeded" and not p.deleting}
-    if spec.replicas(ReplicaType.CHIEF) > 0:
-        return "the Chief completed" if (ReplicaType.CHIEF, 0) in done else None
-    workers = spec.replicas(ReplicaType.WORKER)
-    if workers == 0:
-        return None
-    if spec.success_policy is SuccessPolicy.ALL_WORKERS:
-        return f"all {workers} workers completed" if all((ReplicaType.WORKER, i) in done for i in range(workers)) else None
-    return "worker 0 completed" if (ReplicaType.WORKER, 0) in done else None
+def _completed(pods: list[PodView]) -> set[semantics.Replica]:
+    return {(p.rtype, p.index) for p in pods if p.phase == "Succeeded" and not p.deleting}
 
 
 def final_result(job: TrainingJob, pods: list[PodView]) -> dict[str, Any] | None:
     """What the runtime's reporting replica (the Chief, else worker 0) left in its termination
     message: the final step, loss and test accuracy. None when it left nothing readable."""
-    rtype = ReplicaType.CHIEF if job.spec.replicas(ReplicaType.CHIEF) > 0 else ReplicaType.WORKER
-    pod = next((p for p in pods if p.rtype is rtype and p.index == 0 and p.phase == "Succeeded"), None)
+    reporter = semantics.reporting_replica(job.spec)
+    pod = next((p for p in pods if (p.rtype, p.index) == reporter and p.phase == "Succeeded"), None)
     try:
         message = json.loads(pod.message) if pod and pod.message else None
     except ValueError:
@@ -101,9 +83,9 @@ def _explain_unschedulable(plan: Plan, conds: list[dict], pods: list[PodView], n
     if len(stuck) > 3:
         message += f" (and {len(stuck) - 3} more pods)"
     before = get_condition(conds, RUNNING) or {}
-    if before.get("reason") != "Unschedulable":
-        plan.event(WARNING, "Unschedulable", message)
-    return set_condition(conds, RUNNING, False, "Unschedulable", message, now, list_false=True)
+    if before.get("reason") != Reason.UNSCHEDULABLE:
+        plan.event(WARNING, Reason.UNSCHEDULABLE, message)
+    return set_condition(conds, RUNNING, False, Reason.UNSCHEDULABLE, message, now, list_false=True)
 
 
 def _count_in_place_restarts(status: dict, pods: list[PodView]) -> tuple[int, dict[str, str], list[PodView]]:
@@ -157,144 +139,189 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Pla
     try:
         job = TrainingJob.model_validate(body)
     except ValidationError as err:
-        # The CRD's schema rejects these; only reachable with a CRD older than the operator.
-        if status.get("phase") != FAILED:
-            status.update(phase=FAILED, completionTime=timestamp(now),
-                          conditions=set_condition(status.get("conditions") or [], FAILED, True, "InvalidSpec", str(err), now))
-            result.event(WARNING, "InvalidSpec", str(err))
+        _invalid_spec(result, str(err), now)
         return result
 
-    spec, run_policy = job.spec, job.spec.run_policy
     views = owned_pods(pods, meta.get("uid", ""))
+    _observe(result, job, views, old)
+    if old.get("phase") in FINISHED:
+        _finished(result, job, views, old, now)
+    elif not _suspended(result, job, views, now):
+        _run(result, job, views, old, now)
+    return result
+
+
+def _run(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any], now: datetime) -> None:
+    """A job that is neither finished nor suspended: start, deadline, success, failures, scale, phase."""
+    _started(result, job, now)
+    if _deadline_passed(result, job, views, now):
+        return
+    done = semantics.success(job.spec, _completed(views))
+    if done:
+        _record_result(result, job, views, old.get("progress") or {})
+        _finish(result, job, views, SUCCEEDED, Reason.SUCCEEDED, f"TrainingJob {job.name} succeeded: {done}", now)
+        return
+    restarted = _restart_failed(result, job, views, now)
+    if restarted is None:
+        return
+    _scale(result, job, views, old)
+    _set_phase(result, job, views, old, restarted, now)
+
+
+def _invalid_spec(result: Plan, error: str, now: datetime) -> None:
+    """The CRD's schema rejects these; only reachable with a CRD older than the operator."""
+    status = result.status
+    if status.get("phase") != FAILED:
+        status.update(phase=FAILED, completionTime=timestamp(now),
+                      conditions=set_condition(status.get("conditions") or [], FAILED, True, Reason.INVALID_SPEC, error, now))
+        result.event(WARNING, Reason.INVALID_SPEC, error)
+
+
+def _observe(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any]) -> None:
+    """What the pods say: restarts in place since the last reconcile, counts by replica type."""
+    status, spec = result.status, job.spec
     live = [p for p in views if not p.deleting]
     status["workerSelector"] = naming.label_selector(
         {naming.LABEL_JOB: job.name, naming.LABEL_TYPE: ReplicaType.WORKER.task_type})
-    conds = status.get("conditions") or []
-
     added, status["podRestarts"], restarted_in_place = _count_in_place_restarts(old, live)
     status["restartCount"] = int(old.get("restartCount") or 0) + added
     for pod in restarted_in_place:
-        result.event(WARNING, "PodRestarted", f"pod {pod.name} restarted in place (restart count {pod.restarts})")
+        result.event(WARNING, Reason.POD_RESTARTED, f"pod {pod.name} restarted in place (restart count {pod.restarts})")
+    status["replicaStatuses"] = replica_statuses(spec, views)
+    status["psReady"] = ready_column(status["replicaStatuses"], spec, ReplicaType.PS)
+    status["workersReady"] = ready_column(status["replicaStatuses"], spec, ReplicaType.WORKER)
 
-    def counts() -> None:
-        status["replicaStatuses"] = replica_statuses(spec, views)
-        status["psReady"] = ready_column(status["replicaStatuses"], spec, ReplicaType.PS)
-        status["workersReady"] = ready_column(status["replicaStatuses"], spec, ReplicaType.WORKER)
 
-    counts()
+def _finished(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any], now: datetime) -> None:
+    """A finished job only cleans up (again, after an operator restart) and waits for its TTL."""
+    deadline_failure = any(c.get("type") == FAILED and c.get("reason") == Reason.DEADLINE_EXCEEDED
+                           for c in old.get("conditions") or [])
+    _clean_pods(result, job, views, delete_all=deadline_failure)
+    ttl = job.spec.run_policy.ttl_seconds_after_finished
+    finished_at = parse_time(old.get("completionTime"))
+    if ttl is None or finished_at is None:
+        return
+    left = ttl - (now - finished_at).total_seconds()
+    if left <= 0:
+        result.delete_job = True
+        result.event(NORMAL, Reason.TTL_EXPIRED, f"deleted {ttl}s after it finished")
+    else:
+        result.requeue(left)
 
-    # A finished job only cleans up (again, after an operator restart) and waits for its TTL.
-    if old.get("phase") in FINISHED:
-        deadline_failure = (old.get("conditions") and any(
-            c.get("type") == FAILED and c.get("reason") == "DeadlineExceeded" for c in old["conditions"]))
-        _clean_pods(result, job, views, delete_all=bool(deadline_failure))
-        ttl = run_policy.ttl_seconds_after_finished
-        finished_at = parse_time(old.get("completionTime"))
-        if ttl is not None and finished_at is not None:
-            left = ttl - (now - finished_at).total_seconds()
-            if left <= 0:
-                result.delete_job = True
-                result.event(NORMAL, "TTLExpired", f"deleted {ttl}s after it finished")
-            else:
-                result.requeue(left)
-        return result
 
-    if run_policy.suspend:
-        result.delete.extend(p.name for p in live)
+def _suspended(result: Plan, job: TrainingJob, views: list[PodView], now: datetime) -> bool:
+    """Suspend deletes every pod; resuming restarts the deadline's clock, as in TFJob."""
+    status = result.status
+    conds = status.get("conditions") or []
+    if job.spec.run_policy.suspend:
+        result.delete.extend(p.name for p in views if not p.deleting)
         if not condition_true(conds, SUSPENDED):
             msg = "suspended: its pods are deleted until spec.runPolicy.suspend is false"
-            conds = set_condition(conds, RUNNING, False, "Suspended", msg, now)
-            conds = set_condition(conds, RESTARTING, False, "Suspended", msg, now)
-            conds = set_condition(conds, SUSPENDED, True, "Suspended", msg, now)
-            result.event(NORMAL, "Suspended", msg)
+            for ctype in (RUNNING, RESTARTING):
+                conds = set_condition(conds, ctype, False, Reason.SUSPENDED, msg, now)
+            conds = set_condition(conds, SUSPENDED, True, Reason.SUSPENDED, msg, now)
+            result.event(NORMAL, Reason.SUSPENDED, msg)
         status["conditions"], status["phase"] = conds, SUSPENDED
-        return result
+        return True
     if condition_true(conds, SUSPENDED):
-        conds = set_condition(conds, SUSPENDED, False, "Resumed", "resumed: pods are recreated", now)
-        status["startTime"] = timestamp(now)  # the deadline counts from the resume, as in TFJob
-        result.event(NORMAL, "Resumed", "resumed: pods are recreated")
+        msg = "resumed: pods are recreated"
+        status["conditions"] = set_condition(conds, SUSPENDED, False, Reason.RESUMED, msg, now)
+        status["startTime"] = timestamp(now)
+        result.event(NORMAL, Reason.RESUMED, msg)
+    return False
 
+
+def _started(result: Plan, job: TrainingJob, now: datetime) -> None:
+    status = result.status
+    conds = status.get("conditions") or []
     if not status.get("startTime"):
         status["startTime"] = timestamp(now)
     if not condition_true(conds, CREATED):
-        msg = f"created the Service and {sum(spec.replicas(t) for t in ReplicaType)} pods"
-        conds = set_condition(conds, CREATED, True, "TrainingJobCreated", msg, now)
-        result.event(NORMAL, "Created", msg)
+        msg = f"created the Service and {len(semantics.replicas(job.spec))} pods"
+        conds = set_condition(conds, CREATED, True, Reason.CREATED, msg, now)
+        result.event(NORMAL, Reason.CREATED_EVENT, msg)
     status["conditions"] = conds
 
-    deadline = run_policy.active_deadline_seconds
-    if deadline is not None:
-        left = deadline - (now - parse_time(status["startTime"])).total_seconds()
-        if left <= 0:
-            _finish(result, job, views, FAILED, "DeadlineExceeded",
-                    f"ran longer than activeDeadlineSeconds ({deadline}s)", now, delete_all=True)
-            return result
+
+def _deadline_passed(result: Plan, job: TrainingJob, views: list[PodView], now: datetime) -> bool:
+    deadline = job.spec.run_policy.active_deadline_seconds
+    if deadline is None:
+        return False
+    left = deadline - (now - parse_time(result.status["startTime"])).total_seconds()
+    if left > 0:
         result.requeue(left)
+        return False
+    _finish(result, job, views, FAILED, Reason.DEADLINE_EXCEEDED,
+            f"ran longer than activeDeadlineSeconds ({deadline}s)", now, delete_all=True)
+    return True
 
-    done = _success(job, views)
-    if done:
-        _record_result(result, job, views, old.get("progress") or {})
-        _finish(result, job, views, SUCCEEDED, "TrainingJobSucceeded", f"TrainingJob {job.name} succeeded: {done}", now)
-        return result
 
-    # Failed pods: restart within the budget, or fail the job.
-    restarted_now: list[PodView] = []
-    for pod in sorted(live, key=lambda p: (p.rtype.value, p.index)):
-        if pod.phase != "Failed":
-            continue
+def _restart_failed(result: Plan, job: TrainingJob, views: list[PodView], now: datetime) -> list[PodView] | None:
+    """Failed pods are recreated within the restart budget; the pods restarted now, or None
+    when the job failed instead."""
+    spec, status = job.spec, result.status
+    backoff = spec.run_policy.backoff_limit
+    restarted: list[PodView] = []
+    for pod in sorted((p for p in views if not p.deleting and p.phase == "Failed"), key=lambda p: (p.rtype.value, p.index)):
         if pod.index >= spec.replicas(pod.rtype):
             result.delete.append(pod.name)  # scaled away while failing: just gone
             continue
         policy = spec.replica_specs[pod.rtype].restart_policy
-        if not _retryable(policy, pod):
-            _finish(result, job, views, FAILED, f"{pod.rtype.value}Failed",
+        if not semantics.retryable(policy, pod.exit_code):
+            _finish(result, job, views, FAILED, Reason.replica_failed(pod.rtype),
                     f"{pod.describe_exit()}; restartPolicy {policy.value} does not retry it", now)
-            return result
-        if status["restartCount"] >= run_policy.backoff_limit:
-            _finish(result, job, views, FAILED, "BackoffLimitExceeded",
-                    f"{pod.describe_exit()}; backoffLimit {run_policy.backoff_limit} restarts already used", now)
-            return result
+            return None
+        if status["restartCount"] >= backoff:
+            _finish(result, job, views, FAILED, Reason.BACKOFF_LIMIT_EXCEEDED,
+                    f"{pod.describe_exit()}; backoffLimit {backoff} restarts already used", now)
+            return None
         status["restartCount"] += 1
         result.restart.append(pod.name)
-        restarted_now.append(pod)
-        result.event(WARNING, "PodRestarting", f"{pod.describe_exit()}; recreating it "
-                     f"(restart {status['restartCount']} of {run_policy.backoff_limit})")
-    if status["restartCount"] > run_policy.backoff_limit:
-        _finish(result, job, views, FAILED, "BackoffLimitExceeded",
-                f"{status['restartCount']} restarts exceed backoffLimit {run_policy.backoff_limit}", now)
-        return result
+        restarted.append(pod)
+        result.event(WARNING, Reason.POD_RESTARTING,
+                     f"{pod.describe_exit()}; recreating it (restart {status['restartCount']} of {backoff})")
+    if status["restartCount"] > backoff:
+        _finish(result, job, views, FAILED, Reason.BACKOFF_LIMIT_EXCEEDED,
+                f"{status['restartCount']} restarts exceed backoffLimit {backoff}", now)
+        return None
+    return restarted
 
-    # Scale: create what is missing, delete indices beyond the wanted replicas.
+
+def _scale(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any]) -> None:
+    """Create what is missing, delete indices beyond the wanted replicas."""
+    spec, status = job.spec, result.status
     existing = {(p.rtype, p.index) for p in views}
-    for rtype in (ReplicaType.PS, ReplicaType.CHIEF, ReplicaType.WORKER, ReplicaType.EVALUATOR):
-        for i in range(spec.replicas(rtype)):
-            if (rtype, i) not in existing:
-                result.create.append((rtype, i))
+    result.create.extend(r for r in semantics.replicas(spec) if r not in existing)
     for rtype, _ in result.create:  # the status describes the pods as they will be
         status["replicaStatuses"][rtype.value]["pending"] += 1
     if result.create and condition_true(old.get("conditions") or [], CREATED):
-        names = [naming.child_pod_name(job.name, t, i) for t, i in result.create]
-        result.event(NORMAL, "CreatedPods", "created pods " + ", ".join(names))  # scale-up, restarts
-    extra = [p for p in live if p.index >= spec.replicas(p.rtype) and p.name not in result.delete]
+        names = [naming.pod_name(job.name, t, i) for t, i in result.create]
+        result.event(NORMAL, Reason.CREATED_PODS, "created pods " + ", ".join(names))  # scale-up, restarts
+    extra = [p for p in views if not p.deleting and p.index >= spec.replicas(p.rtype) and p.name not in result.delete]
     result.delete.extend(p.name for p in extra)
     if extra:
-        result.event(NORMAL, "ScaledDown", "deleted pods " + ", ".join(p.name for p in extra))
+        result.event(NORMAL, Reason.SCALED_DOWN, "deleted pods " + ", ".join(p.name for p in extra))
 
-    # Phase: all wanted pods running -> Running; a restart in progress -> Restarting.
-    wanted = {(t, i) for t in ReplicaType for i in range(spec.replicas(t))}
+
+def _set_phase(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any],
+               restarted: list[PodView], now: datetime) -> None:
+    """All wanted pods running -> Running; a restart in progress -> Restarting."""
+    status = result.status
+    conds = status.get("conditions") or []
+    live = [p for p in views if not p.deleting]
     up = {(p.rtype, p.index) for p in live if p.phase in ("Running", "Succeeded") and p.name not in result.restart}
-    all_up = wanted <= up
-    if restarted_now:
-        msg = "restarting " + ", ".join(p.name for p in restarted_now)
-        conds = set_condition(conds, RESTARTING, True, "PodRestarting", msg, now)
-        conds = set_condition(conds, RUNNING, False, "PodRestarting", msg, now)
+    all_up = set(semantics.replicas(job.spec)) <= up
+    if restarted:
+        msg = "restarting " + ", ".join(p.name for p in restarted)
+        conds = set_condition(conds, RESTARTING, True, Reason.POD_RESTARTING, msg, now)
+        conds = set_condition(conds, RUNNING, False, Reason.POD_RESTARTING, msg, now)
         phase = RESTARTING
     elif condition_true(conds, RESTARTING) and not all_up:
         phase = RESTARTING
     elif all_up:
         msg = f"TrainingJob {job.name} is running"
-        conds = set_condition(conds, RESTARTING, False, "AllPodsRunning", msg, now)
-        conds = set_condition(conds, RUNNING, True, "TrainingJobRunning", msg, now)
+        conds = set_condition(conds, RESTARTING, False, Reason.ALL_PODS_RUNNING, msg, now)
+        conds = set_condition(conds, RUNNING, True, Reason.RUNNING, msg, now)
         phase = RUNNING
     elif condition_true(conds, RUNNING):
         phase = RUNNING  # e.g. workers being added by a scale-up
@@ -306,4 +333,3 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Pla
         cond = get_condition(conds, phase) or {}
         result.event(NORMAL if phase == RUNNING else WARNING, phase, cond.get("message", phase))
     status["conditions"], status["phase"] = conds, phase
-    return result

@@ -10,7 +10,7 @@ import sys
 import yaml
 from pydantic import ValidationError
 
-from tfps.runtime.spec import load_manifest
+from tfps.api.spec import load_manifest
 
 from .builders import build_service, desired_pods
 from .config import OperatorConfig

@@ -17,11 +17,12 @@ import base64
 import copy
 from typing import Any
 
-from tfps.runtime import auth, pki
-from tfps.runtime.spec import ReplicaType, TrainingJob
+from tfps.api import naming
+from tfps.api.spec import ReplicaType, TrainingJob
+from tfps.runtime import pki
 
-from . import naming
 from .config import OperatorConfig
+from .meta import object_meta
 
 AUTH_VOLUME = "tfps-auth"
 AUTH_MOUNT_PATH = "/var/run/tfps/auth"
@@ -32,28 +33,17 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def _meta(job: TrainingJob, name: str) -> dict[str, Any]:
-    from .builders import owner_reference  # builders imports this module
-
-    meta = {"name": name, "namespace": job.namespace,
-            "labels": {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY}}
-    owners = owner_reference(job)
-    if owners:
-        meta["ownerReferences"] = owners
-    return meta
-
-
 def build_auth_secret(job: TrainingJob, token: str, tls: pki.TlsMaterial) -> dict[str, Any]:
     """The job's Secret from its material (random parts are the caller's: see new_auth_secret)."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _meta(job, naming.auth_secret_name(job.name)),
+        "metadata": object_meta(job, naming.auth_secret_name(job.name)),
         # Pods read it through a volume; nobody edits it (kubelets need not watch it either).
         "immutable": True,
-        "data": {auth.TOKEN_KEY: _b64(token.encode()), auth.CA_KEY: _b64(tls.ca_crt),
-                 auth.CERT_KEY: _b64(tls.tls_crt), auth.KEY_KEY: _b64(tls.tls_key)},
+        "data": {naming.TOKEN_KEY: _b64(token.encode()), naming.CA_KEY: _b64(tls.ca_crt),
+                 naming.CERT_KEY: _b64(tls.tls_crt), naming.KEY_KEY: _b64(tls.tls_key)},
     }
 
 
@@ -61,7 +51,7 @@ def new_auth_secret(job: TrainingJob) -> dict[str, Any]:
     """A fresh token and certificate for `job` (always both: turning spec.training.tls on
     later needs no new Secret)."""
     tls = pki.issue(f"{job.name}.{job.namespace}", pki.job_dns_names(job.name, job.namespace))
-    return build_auth_secret(job, auth.new_token(), tls)
+    return build_auth_secret(job, pki.new_token(), tls)
 
 
 def build_network_policy(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
@@ -72,7 +62,7 @@ def build_network_policy(job: TrainingJob, config: OperatorConfig) -> dict[str, 
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _meta(job, naming.network_policy_name(job.name)),
+        "metadata": object_meta(job, naming.network_policy_name(job.name)),
         "spec": {
             "podSelector": {"matchLabels": naming.job_selector(job.name)},
             "policyTypes": ["Ingress"],
@@ -111,6 +101,6 @@ def secure_pod(pod: dict[str, Any]) -> dict[str, Any]:
             continue
         mounts = [m for m in c.get("volumeMounts") or [] if m.get("name") != AUTH_VOLUME]
         c["volumeMounts"] = mounts + [{"name": AUTH_VOLUME, "mountPath": AUTH_MOUNT_PATH, "readOnly": True}]
-        env = [e for e in c.get("env") or [] if e.get("name") != auth.ENV_AUTH_TOKEN_FILE]
-        c["env"] = env + [{"name": auth.ENV_AUTH_TOKEN_FILE, "value": f"{AUTH_MOUNT_PATH}/{auth.TOKEN_KEY}"}]
+        env = [e for e in c.get("env") or [] if e.get("name") != naming.ENV_AUTH_TOKEN_FILE]
+        c["env"] = env + [{"name": naming.ENV_AUTH_TOKEN_FILE, "value": f"{AUTH_MOUNT_PATH}/{naming.TOKEN_KEY}"}]
     return pod

@@ -5,9 +5,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from tfps.runtime.spec import ReplicaType, TrainingJobSpec
-
-from . import naming
+from tfps.api import naming
+from tfps.api.spec import ReplicaType, TrainingJobSpec
 
 # Phases (status.phase) and condition types (TFJob's).
 PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
@@ -15,6 +14,32 @@ PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
 CREATED = "Created"
 PHASES = (PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED)
 FINISHED = (SUCCEEDED, FAILED)
+
+
+class Reason:
+    """The reasons of conditions and Events, in one place (TFJob's names where it has them)."""
+
+    INVALID_SPEC = "InvalidSpec"
+    CREATED = "TrainingJobCreated"
+    CREATED_EVENT = "Created"
+    CREATED_PODS = "CreatedPods"
+    RUNNING = "TrainingJobRunning"
+    ALL_PODS_RUNNING = "AllPodsRunning"
+    SUCCEEDED = "TrainingJobSucceeded"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+    POD_RESTARTING = "PodRestarting"
+    POD_RESTARTED = "PodRestarted"
+    SCALED_DOWN = "ScaledDown"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+    TTL_EXPIRED = "TTLExpired"
+    UNSCHEDULABLE = "Unschedulable"
+
+    @staticmethod
+    def replica_failed(rtype: ReplicaType) -> str:
+        """`WorkerFailed`, `PSFailed`, ...: a replica failed in a way its restartPolicy does not retry."""
+        return f"{rtype.value}Failed"
 
 
 def timestamp(now: datetime) -> str:

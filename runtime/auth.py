@@ -19,18 +19,17 @@ import hmac
 import json
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from tfps.api.naming import CA_KEY, CERT_KEY, ENV_AUTH_TOKEN_FILE, KEY_KEY, TOKEN_KEY
+from tfps.api.settings import ProcessSettings
+
 log = logging.getLogger("tfps.auth")
 
-ENV_AUTH_TOKEN_FILE = "TFPS_AUTH_TOKEN_FILE"
-# Keys of the job's Secret = file names in its mounted folder.
-TOKEN_KEY, CA_KEY, CERT_KEY, KEY_KEY = "token", "ca.crt", "tls.crt", "tls.key"
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes carry no token
@@ -40,10 +39,6 @@ REJECT_DETAIL = "missing or wrong bearer token for this job"
 
 class SecurityError(RuntimeError):
     """The pod's security material is missing or unreadable: the process must not start open."""
-
-
-def new_token() -> str:
-    return secrets.token_urlsafe(32)
 
 
 @dataclass(frozen=True)
@@ -57,8 +52,7 @@ class Material:
     def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> "Material | None":
         """The material named by $TFPS_AUTH_TOKEN_FILE; None when unset. TLS files are read
         (and required) only with `tls`."""
-        env = os.environ if env is None else env
-        path = env.get(ENV_AUTH_TOKEN_FILE)
+        path = ProcessSettings.from_env(env).auth_token_file
         if not path:
             if tls:
                 raise SecurityError(f"spec.training.tls is set but {ENV_AUTH_TOKEN_FILE} is not: no certificate to use")

@@ -5,20 +5,26 @@ folder fsynced: a reader sees the previous checkpoint or the new one, never half
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import tempfile
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
 
+from tfps.api.settings import ProcessSettings
+
 from . import wire
+
+log = logging.getLogger("tfps.ps")
 
 FILE_NAME = "shard.tfps"
 # Tests only: "<step>" makes the process SIGKILL itself once (a marker file in the folder
 # remembers it), between writing that step's temporary file and renaming it: a crash in the
 # middle of a checkpoint, made deterministic.
-ENV_CRASH_AT = "TFPS_TEST_CHECKPOINT_CRASH_AT"
 CRASH_MARKER = ".crash-hook-fired"
 
 
@@ -51,10 +57,10 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
 
 
 def _crash_hook(folder: Path, meta: dict) -> None:
-    at = os.environ.get(ENV_CRASH_AT)
-    if not at or str(meta.get("version")) != at or (folder / CRASH_MARKER).exists():
+    at = ProcessSettings().crash_at
+    if at is None or str(meta.get("version")) != str(at) or (folder / CRASH_MARKER).exists():
         return
-    (folder / CRASH_MARKER).write_text(at)
+    (folder / CRASH_MARKER).write_text(str(at))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -64,3 +70,52 @@ def read(folder: str | Path) -> wire.Message | None:
     if not target.exists():
         return None
     return wire.decode(target.read_bytes())
+
+
+class ShardCheckpoints:
+    """One PS shard's checkpoints: written in the background as the shard steps on, or now
+    (and waited for) when the job ends; read back when the PS starts again."""
+
+    def __init__(self, root: str | Path, index: int, metrics, every_steps: int, last_step: int):
+        self.folder, self.index, self.metrics = shard_dir(root, index), index, metrics
+        self.every_steps, self.last_step = every_steps, last_step
+        self.step = -1  # the newest written
+        self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
+
+    def due(self, version: int) -> bool:
+        return version % self.every_steps == 0 or version == self.last_step
+
+    def save(self, meta: dict, tensors: dict, wait: bool = False) -> None:
+        written = self._pool.submit(self._write, meta, tensors)
+        if wait:
+            written.result()
+
+    def _write(self, meta: dict, tensors: dict) -> None:
+        try:
+            write(self.folder, meta, {k: np.asarray(v) for k, v in tensors.items()})
+        except OSError:
+            log.exception("checkpoint of PS %d at step %d failed", self.index, meta["version"])
+            return
+        self.step = max(self.step, meta["version"])
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_step.set(self.step)
+        log.info(json.dumps({"event": "checkpoint", "ps": self.index, "step": meta["version"], "path": str(self.folder)}))
+
+    def load(self, parts: dict[str, list[int]], optimizer: str) -> wire.Message | None:
+        """The newest checkpoint, None without one; an error when it is another model's."""
+        msg = read(self.folder)
+        if msg is None:
+            return None
+        if msg.meta.get("parts") != parts or msg.meta.get("optimizer") != optimizer:
+            raise RuntimeError(
+                f"checkpoint in {self.folder} was written for another model, placement or optimizer; "
+                "move it away or point spec.training.checkpoint.path elsewhere"
+            )
+        self.step = int(msg.meta["version"])
+        self.metrics.restored.inc()
+        self.metrics.checkpoint_step.set(self.step)
+        log.info(json.dumps({"event": "restored", "ps": self.index, "step": self.step, "path": str(self.folder)}))
+        return msg
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

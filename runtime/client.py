@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import socket
 import threading
-import time
 
 import grpc
+import tenacity
 
 from . import datapath, wire
 from .auth import ClientSecurity
 from .datapath import DataConnection, DataPathError
-from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
+from .wire import GRPC_OPTIONS, POLL_SECONDS
 
 log = logging.getLogger("tfps.client")
 
@@ -35,6 +34,10 @@ CLIENT_OPTIONS = GRPC_OPTIONS + [
 CALL_TIMEOUT = POLL_SECONDS + 60.0
 
 
+def _retryable(err: BaseException) -> bool:
+    return isinstance(err, grpc.RpcError) and hasattr(err, "code") and err.code() in RETRYABLE
+
+
 class ShardClient:
     def __init__(self, address: str, index: int, retry_seconds: float = 300.0, on_retry=None,
                  security: ClientSecurity | None = None):
@@ -46,27 +49,24 @@ class ShardClient:
         self._data: DataConnection | None = None
         self._data_wanted = datapath.wanted()
         self._data_lock = threading.Lock()
-        path = f"/{SERVICE}/"
-        self._step = self.channel.unary_unary(path + "Step")
-        self._step_stream = self.channel.stream_stream(path + "StepStream")
-        self._pull_full = self.channel.unary_stream(path + "PullFull")
-        self._status = self.channel.unary_unary(path + "Status")
-        self._finish = self.channel.unary_unary(path + "Finish")
+        calls = {name: getattr(self.channel, shape)(wire.method_path(name)) for name, shape in wire.METHODS.items()}
+        self._step, self._step_stream, self._pull_full = calls["Step"], calls["StepStream"], calls["PullFull"]
+        self._status, self._finish = calls["Status"], calls["Finish"]
 
     def _retry(self, what: str, fn):
-        delay, deadline = 0.1, time.monotonic() + self.retry_seconds
-        while True:
-            try:
-                return fn()
-            except grpc.RpcError as err:
-                code = err.code() if hasattr(err, "code") else None
-                if code not in RETRYABLE or time.monotonic() > deadline:
-                    raise
-                if self.on_retry:
-                    self.on_retry()
-                log.info(json.dumps({"event": "retry", "ps": self.index, "call": what, "code": code.name, "delay": round(delay, 2)}))
-                time.sleep(delay * (0.5 + random.random()))
-                delay = min(delay * 2, 2.0)
+        """`fn()`, retried with jittered exponential backoff (0.1 s doubling up to 2 s) while
+        the PS is unavailable, for up to retry_seconds."""
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            if self.on_retry:
+                self.on_retry()
+            code = state.outcome.exception().code()
+            log.info(json.dumps({"event": "retry", "ps": self.index, "call": what, "code": code.name,
+                                 "delay": round(state.upcoming_sleep, 2)}))
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_retryable), stop=tenacity.stop_after_delay(self.retry_seconds),
+            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0), before_sleep=before_sleep, reraise=True)
+        return retrying(fn)
 
     def step(self, meta: dict, tensors: dict, large: bool) -> wire.Message:
         """One Step call (push and/or pull). Over gRPC, `large` sends it as a chunked stream."""

@@ -31,10 +31,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from tfps.api.settings import ProcessSettings
+
 from . import wire
 from .auth import REJECT_DETAIL, REJECT_REASON, Material
 
-ENV_DATA_PATH = "TFPS_DATA_PATH"  # worker: "0" sends Steps over gRPC even when a PS offers a data port
 FRAME = struct.Struct("<Q")
 CONNECT_SECONDS = 5.0
 IDLE_SECONDS = 600.0  # a PS closes a connection silent this long; the worker reconnects
@@ -60,7 +61,7 @@ class DataPathError(grpc.RpcError):
 
 
 def wanted(env: dict[str, str] | None = None) -> bool:
-    return (os.environ if env is None else env).get(ENV_DATA_PATH, "1") != "0"
+    return ProcessSettings.from_env(env).data_path
 
 
 # ---- frames ----------------------------------------------------------------------------

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tfps.api.spec import TrainingSpec
+
 from .metrics import Identity, PSMetrics, WorkerMetrics
 from .models import ModelDef, load_model
 from .ps import Shard, serve
 from .sharding import place
-from .spec import TrainingSpec
 from .worker import Worker
 
 

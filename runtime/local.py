@@ -1,9 +1,12 @@
 """`tfps local FILE`: run a TrainingJob manifest as local processes, no cluster.
 
-PS and worker processes run `tfps ps` / `tfps worker` on loopback (127.0.0.1, free ports)
-with the same environment the operator gives pods, restarted per each replica type's
-restartPolicy within runPolicy.backoffLimit. Success follows successPolicy (worker 0 by
-default). Checkpoints go to spec.training.checkpoint.path, or to the run's work folder.
+Every replica the operator would create (PS, Chief, Worker, Evaluator) runs as a process on
+loopback (127.0.0.1, free ports) with the environment the operator gives pods: `tfps ps` /
+`tfps worker` with spec.training, else the command of the pod template's `tensorflow`
+container (a custom TF program reading TF_CONFIG). Which exits are restarted, within
+runPolicy.backoffLimit, and when the job has succeeded (the Chief when there is one, else
+successPolicy) are tfps.api.semantics' rules, the operator's. Checkpoints go to
+spec.training.checkpoint.path, or to the run's work folder.
 
 Python API (for tests and `tfps bench`): `LocalRun(job).run()` returns the result dict;
 `run_job(job)` does the same in one call. `on_status(run, status)` is called on every
@@ -24,23 +27,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import auth
-from .ports import LOOPBACK, free_port
-from .process import ENV_INTRA_OP_THREADS, ENV_RESULT_FILE
-from .spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJob, load_manifest
-from .tfconfig import (
+from tfps.api.naming import (
+    ENV_AUTH_TOKEN_FILE,
     ENV_BIND_ADDRESS,
+    ENV_INTRA_OP_THREADS,
     ENV_JOB_NAME,
     ENV_METRICS_PORT,
     ENV_NAMESPACE,
+    ENV_RESULT_FILE,
     ENV_TF_CONFIG,
     ENV_TRAINING,
-    tf_config,
 )
+from tfps.api import semantics
+from tfps.api.naming import CONTAINER_NAME
+from tfps.api.spec import ReplicaType, TrainingJob, load_manifest
+from tfps.api.tfconfig import tf_config
+
+from . import auth, pki
+from .ports import LOOPBACK, free_port
 
 POLL_SECONDS = 0.25
-
-
 
 
 @dataclass
@@ -86,31 +92,34 @@ class LocalRun:
     keep_workdir: bool = False
 
     def __post_init__(self):
-        if self.job.spec.training is None:
-            raise ValueError("tfps local runs the built-in runtime: the manifest needs spec.training")
+        spec = self.job.spec
+        if spec.training is None:
+            missing = [t.value for t, _ in semantics.replicas(spec) if not self._user_command(t)]
+            if missing:
+                raise ValueError(f"spec.replicaSpecs.{missing[0]}: without spec.training, tfps local runs the command of "
+                                 f"the template's {CONTAINER_NAME!r} container, and it has none")
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix=f"tfps-{self.job.name}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        training = self.job.spec.training.model_copy(deep=True)
-        if training.checkpoint.path is None:
+        training = spec.training.model_copy(deep=True) if spec.training else None
+        if training is not None and training.checkpoint.path is None:
             training.checkpoint.path = str(self.workdir / "checkpoints")
         self.training = training
         # A token per run (and, with spec.training.tls, a CA and a cert for loopback), as the
         # operator's per-job Secret gives pods.
-        self.token_file = auth.write_material(self.workdir / "auth", auth.new_token(), self._tls_material())
-        spec = self.job.spec
-        self.replicas: dict[tuple[str, int], Replica] = {}
-        for rtype in (ReplicaType.PS, ReplicaType.WORKER):
-            for i in range(spec.replicas(rtype)):
-                self.replicas[(rtype.task_type, i)] = Replica(rtype, i, free_port(), free_port())
-        self.result_file = self.workdir / "result-worker-0.json"
+        self.token_file = auth.write_material(self.workdir / "auth", pki.new_token(), self._tls_material())
+        self.replicas: dict[tuple[str, int], Replica] = {
+            (rtype.task_type, i): Replica(rtype, i, free_port(), free_port()) for rtype, i in semantics.replicas(spec)}
+        reporter_type, reporter_index = semantics.reporting_replica(spec)
+        self.reporter = (reporter_type.task_type, reporter_index)
+        self.result_file = self.workdir / f"result-{reporter_type.task_type}-{reporter_index}.json"
         self.status: dict = {}
         self.restarts = 0
         self.events: list[str] = []
         self._client = None
 
     def _tls_material(self):
-        if not self.training.tls:
+        if self.training is None or not self.training.tls:
             return None
         from .pki import issue
 
@@ -121,24 +130,47 @@ class LocalRun:
         replica = self.replicas.get((rtype.task_type, index))
         return f"{LOOPBACK}:{replica.port if replica else free_port()}"
 
+    def _user_container(self, rtype: ReplicaType) -> dict:
+        template = self.job.spec.replica_specs[rtype].template or {}
+        containers = (template.get("spec") or {}).get("containers") or []
+        return next((c for c in containers if c.get("name") == CONTAINER_NAME), {})
+
+    def _user_command(self, rtype: ReplicaType) -> list[str]:
+        container = self._user_container(rtype)
+        return [*(container.get("command") or []), *(container.get("args") or [])] if container.get("command") else []
+
+    def _command(self, replica: Replica) -> list[str]:
+        """What the operator's pod would run: the user's command when the template names one,
+        else the built-in runtime's `tfps` arguments."""
+        args = semantics.built_in_args(self.job.spec, replica.rtype)
+        user = self._user_command(replica.rtype)
+        if user or args is None:
+            return user
+        return [sys.executable, "-m", "tfps.cli.main", *args]
+
     def _environment(self, replica: Replica) -> dict[str, str]:
         cfg = tf_config(self.job.name, self.job.namespace, self.job.spec, replica.rtype, replica.index, address=self._address)
+        # The template's plain env values, under the ones the operator owns (as in its pods).
+        user_env = {e["name"]: str(e["value"]) for e in self._user_container(replica.rtype).get("env") or []
+                    if "name" in e and "value" in e}
         env = {
             **os.environ,
+            **user_env,
             ENV_TF_CONFIG: json.dumps(cfg),
             ENV_JOB_NAME: self.job.name,
             ENV_NAMESPACE: self.job.namespace,
-            ENV_TRAINING: json.dumps(self.training.to_manifest()),
             ENV_BIND_ADDRESS: LOOPBACK,
             ENV_METRICS_PORT: str(replica.metrics_port),
-            auth.ENV_AUTH_TOKEN_FILE: str(self.token_file),
+            ENV_AUTH_TOKEN_FILE: str(self.token_file),
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             "PYTHONUNBUFFERED": "1",
             # Like torchrun's OMP_NUM_THREADS: processes sharing this machine split its cores
             ENV_INTRA_OP_THREADS: os.environ.get(ENV_INTRA_OP_THREADS, str(max(1, (os.cpu_count() or 1) // len(self.replicas)))),
             **self.env,
         }
-        if replica.rtype is ReplicaType.WORKER and replica.index == 0:
+        if self.training is not None:
+            env[ENV_TRAINING] = json.dumps(self.training.to_manifest())
+        if (replica.rtype.task_type, replica.index) == self.reporter:
             env[ENV_RESULT_FILE] = str(self.result_file)
         return env
 
@@ -146,7 +178,7 @@ class LocalRun:
         replica.log_path = self.workdir / f"{replica.name}.log"
         log = open(replica.log_path, "ab")
         replica.proc = subprocess.Popen(
-            [sys.executable, "-m", "tfps.cli.main", replica.rtype.task_type],
+            self._command(replica),
             env=self._environment(replica), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         log.close()
@@ -165,20 +197,16 @@ class LocalRun:
 
     def _should_restart(self, replica: Replica, code: int) -> bool:
         policy = self.job.spec.replica_specs[replica.rtype].restart_policy
-        if replica.rtype is ReplicaType.WORKER and code == 0:
-            return False  # a finished worker is done, whatever the policy
-        if policy is RestartPolicy.NEVER:
-            return False
-        if policy is RestartPolicy.EXIT_CODE:
-            return code < 0 or code >= 128  # killed by a signal, or a retryable exit code
-        return policy is RestartPolicy.ALWAYS or code != 0
+        return semantics.restarts_after_exit(replica.rtype, policy, code)
 
     # ---- progress ----
     def _ps0(self):
         if self._client is None:
+            if self.training is None or not self.job.spec.replicas(ReplicaType.PS):
+                raise LookupError("no built-in PS to ask")
             from .client import ShardClient
 
-            security = auth.ClientSecurity.from_env(self.training.tls, {auth.ENV_AUTH_TOKEN_FILE: str(self.token_file)})
+            security = auth.ClientSecurity.from_env(self.training.tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
             self._client = ShardClient(self._address(ReplicaType.PS, 0), 0, retry_seconds=0, security=security)
         return self._client
 
@@ -189,34 +217,41 @@ class LocalRun:
             pass
         return self.status
 
-    def _succeeded(self) -> bool:
-        workers = [r for r in self.replicas.values() if r.rtype is ReplicaType.WORKER]
-        if self.job.spec.success_policy is SuccessPolicy.ALL_WORKERS:
-            return all(r.exit_code == 0 for r in workers)
-        return self.replicas[("worker", 0)].exit_code == 0
+    def succeeded(self) -> str | None:
+        """Why the job has succeeded (tfps.api.semantics.success), or None while it has not."""
+        completed = {(r.rtype, r.index) for r in self.replicas.values() if r.exit_code == 0}
+        return semantics.success(self.job.spec, completed)
+
+    def on_exit(self, replica: Replica, code: int) -> tuple[bool, str | None]:
+        """Decide about a replica that exited: (restart it?, the job's failure reason or None)."""
+        backoff = self.job.spec.run_policy.backoff_limit
+        self.events.append(f"{replica.name} exited with code {code} at step {self.status.get('global_step')} ({time.strftime('%H:%M:%S')})")
+        if not self._should_restart(replica, code):
+            replica.exit_code = code
+            if code != 0:
+                return False, f"{replica.name} exited with code {code} (restartPolicy {self.job.spec.replica_specs[replica.rtype].restart_policy.value})"
+            return False, None
+        if self.restarts >= backoff:
+            replica.exit_code = code
+            return False, f"{replica.name} exited with code {code}; backoffLimit {backoff} reached"
+        self.restarts += 1
+        replica.restarts += 1
+        self.events.append(f"restarting {replica.name} (exit code {code}, restart {self.restarts}/{backoff})")
+        return True, None
 
     def _check_processes(self) -> str | None:
         """Reap exited processes, restart per policy; returns a failure reason or None."""
-        backoff = self.job.spec.run_policy.backoff_limit
         for replica in self.replicas.values():
             if replica.proc is None or replica.exit_code is not None:
                 continue
             code = replica.proc.poll()
             if code is None:
                 continue
-            self.events.append(f"{replica.name} exited with code {code} at step {self.status.get('global_step')} ({time.strftime('%H:%M:%S')})")
-            if not self._should_restart(replica, code):
-                replica.exit_code = code
-                if code != 0:
-                    return f"{replica.name} exited with code {code} (restartPolicy {self.job.spec.replica_specs[replica.rtype].restart_policy.value})"
-                continue
-            if self.restarts >= backoff:
-                replica.exit_code = code
-                return f"{replica.name} exited with code {code}; backoffLimit {backoff} reached"
-            self.restarts += 1
-            replica.restarts += 1
-            self.events.append(f"restarting {replica.name} (exit code {code}, restart {self.restarts}/{backoff})")
-            self._start(replica)
+            restart, failure = self.on_exit(replica, code)
+            if failure:
+                return failure
+            if restart:
+                self._start(replica)
         return None
 
     def _fire_faults(self) -> None:
@@ -242,7 +277,7 @@ class LocalRun:
                     self.on_status(self, status)
                 self._fire_faults()
                 failure = self._check_processes()
-                if failure or self._succeeded():
+                if failure or self.succeeded():
                     break
                 if deadline and time.monotonic() - started > deadline:
                     failure = f"activeDeadlineSeconds {deadline} exceeded"
@@ -255,9 +290,10 @@ class LocalRun:
         return self._result(failure, time.monotonic() - started)
 
     def _wait_workers(self, timeout: float) -> None:
+        """Give the other trainers a moment to finish on their own before the PS are stopped."""
         end = time.monotonic() + timeout
         for replica in self.replicas.values():
-            if replica.rtype is ReplicaType.WORKER and replica.proc is not None:
+            if replica.rtype in (ReplicaType.WORKER, ReplicaType.CHIEF) and replica.proc is not None:
                 try:
                     replica.proc.wait(timeout=max(0.1, end - time.monotonic()))
                 except subprocess.TimeoutExpired:
@@ -286,8 +322,8 @@ class LocalRun:
             "phase": "Failed" if failure else "Succeeded",
             "succeeded": failure is None,
             "reason": failure,
-            "model": self.training.model,
-            "mode": self.training.consistency.mode.value,
+            "model": self.training.model if self.training else None,
+            "mode": self.training.consistency.mode.value if self.training else None,
             "steps": status.get("global_step", worker0.get("steps")),
             "loss": status.get("loss", worker0.get("loss")),
             "accuracy": worker0.get("accuracy"),
@@ -335,14 +371,14 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     local = LocalRun(job, workdir=Path(args.workdir) if args.workdir else None,
                      faults=[Fault.parse(k) for k in args.kill], keep_workdir=bool(args.workdir))
-    steps = local.training.steps
-    if args.no_progress:
+    if args.no_progress or local.training is None:  # a custom program reports no steps
         result = local.run()
     else:
         columns = (
             TextColumn(f"[bold]{job.name}[/] {local.training.consistency.mode.value}"), BarColumn(), MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eps]} ex/s"), TimeElapsedColumn(),
         )
+        steps = local.training.steps
         with Progress(*columns, console=console, transient=False) as bar:
             task = bar.add_task("train", total=steps, loss="-", eps="-")
             seen_events = [0]

@@ -76,7 +76,7 @@ class ModelDef:
 
 def _mlp_params(sizes: list[int], prefix: str = "dense") -> list[Param]:
     params = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+    for i, (fan_in, fan_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=False)):
         params.append(Param(f"{prefix}_{i}/kernel", (fan_in, fan_out)))
         params.append(Param(f"{prefix}_{i}/bias", (fan_out,), init="zeros"))
     return params

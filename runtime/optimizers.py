@@ -1,7 +1,8 @@
 """The optimizer of one PS shard: TensorFlow's fused training ops on tf.Variables.
 
-Dense gradients go through `tf.raw_ops.ResourceApply*` (one fused kernel per variable,
-~6x faster than a Keras optimizer's apply_gradients, see notes/anchors.md). Sparse
+Dense gradients go through `tf.raw_ops.ResourceApply*` (one fused kernel per variable, far
+cheaper than a Keras optimizer's apply_gradients; `tfps bench` measures the PS against
+TensorFlow's own ParameterServerStrategy, bench/anchor_tf_pss.py). Sparse
 gradients (embedding rows) are summed per unique row and go through the
 `ResourceSparseApply*` ops; Adam has no fused sparse op, so its rows are updated "lazily"
 (only the touched rows' moments move) with gather/scatter.
@@ -11,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from .spec import OptimizerName, OptimizerSpec
+from tfps.api.spec import OptimizerName, OptimizerSpec
+
 from .zerocopy import as_tensor
 
 SLOTS = {

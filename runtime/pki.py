@@ -9,6 +9,7 @@ the PS and worker images read PEM files and never need it.
 from __future__ import annotations
 
 import datetime
+import secrets
 import ipaddress
 from dataclasses import dataclass
 
@@ -73,3 +74,8 @@ def issue(common_name: str, dns_names: list[str], ips: list[str] = (), days: int
         tls_crt=cert.public_bytes(pem),
         tls_key=key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
     )
+
+
+def new_token() -> str:
+    """A job's bearer token: what its PS pods demand of every caller."""
+    return secrets.token_urlsafe(32)

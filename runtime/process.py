@@ -15,26 +15,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
+
+from tfps.api.naming import ENV_TRAINING, GRPC_PORT
+from tfps.api.settings import ProcessSettings
+from tfps.api.spec import TrainingSpec
+from tfps.api.tfconfig import ClusterConfig
 
 from .malloc import keep_large_buffers
-from .spec import TrainingSpec
-from .tfconfig import (
-    ENV_BIND_ADDRESS,
-    ENV_DATA_PORT,
-    ENV_JOB_NAME,
-    ENV_METRICS_PORT,
-    ENV_NAMESPACE,
-    ENV_TRAINING,
-    GRPC_PORT,
-    METRICS_PORT,
-    ClusterConfig,
-)
-
-ENV_RESULT_FILE = "TFPS_RESULT_FILE"  # worker 0 writes its final JSON result here (tfps local)
-ENV_TERMINATION_LOG = "TFPS_TERMINATION_LOG"  # in a pod: where the termination message goes
-ENV_RETRY_SECONDS = "TFPS_PS_RETRY_SECONDS"  # how long workers retry an unavailable PS
-ENV_WORKER_TIMEOUT = "TFPS_WORKER_TIMEOUT_SECONDS"  # PS: silence after which a worker is not live
-ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"  # TensorFlow threads per pool (intra- and inter-op)
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2
 CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1: cpu.cfs_quota_us and cpu.cfs_period_us
 
@@ -48,6 +36,7 @@ class ProcessConfig:
     bind_address: str
     metrics_port: int
     data_port: int | None = 0  # None: no data path
+    settings: ProcessSettings | None = None  # the rest of the environment
 
     @property
     def own_port(self) -> int:
@@ -65,18 +54,18 @@ class ProcessConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "ProcessConfig":
-        env = os.environ if env is None else env
-        raw = env.get(ENV_TRAINING)
-        if not raw:
+        settings = ProcessSettings.from_env(env)
+        if settings.training is None:
             raise ValueError(f"{ENV_TRAINING} is not set: the built-in runtime needs spec.training")
         return cls(
-            cluster=ClusterConfig.from_env(env),
-            training=TrainingSpec.model_validate(json.loads(raw)),
-            job=env.get(ENV_JOB_NAME, "local"),
-            namespace=env.get(ENV_NAMESPACE, "default"),
-            bind_address=env.get(ENV_BIND_ADDRESS, "0.0.0.0"),
-            metrics_port=int(env.get(ENV_METRICS_PORT, METRICS_PORT)),
-            data_port=None if env.get(ENV_DATA_PORT) == "off" else int(env.get(ENV_DATA_PORT) or 0),
+            cluster=ClusterConfig.from_env(os.environ if env is None else env),
+            training=settings.training,
+            job=settings.job_name,
+            namespace=settings.namespace,
+            bind_address=settings.bind_address,
+            metrics_port=settings.metrics_port,
+            data_port=settings.data_port_number,
+            settings=settings,
         )
 
 
@@ -130,8 +119,8 @@ def configure_threads() -> int | None:
     (tfps local sets it when it runs several processes on one machine), else the pod's CPU
     limit. TensorFlow would otherwise size them to every core of the node, and processes
     sharing cores then spin against each other."""
-    threads = os.environ.get(ENV_INTRA_OP_THREADS)
-    count = int(threads) if threads else cgroup_cpus()
+    threads = ProcessSettings().intra_op_threads
+    count = threads or cgroup_cpus()
     if count:
         import tensorflow as tf
 
@@ -148,9 +137,13 @@ def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
 
 
-def start_pod_process(command: str) -> "ProcessConfig | None":
-    """The pod's config, with logging set up to name the job and replica; None, with the reason on
-    stderr, when the environment holds none (the caller exits 2)."""
+def start_pod_process(command: str, security_from_env: Callable[[bool], Any]) -> "tuple[ProcessConfig, Any] | None":
+    """The pod's config and its security (`security_from_env(tls)`), with logging set up to
+    name the job and replica and TensorFlow's threads sized; None, with the reason logged or
+    on stderr, when the environment holds no usable config (the caller exits 2). Security
+    comes first: a process that cannot check who it talks to must not start at all."""
+    from .auth import SecurityError
+
     try:
         cfg = ProcessConfig.from_env()
     except ValueError as err:
@@ -158,4 +151,10 @@ def start_pod_process(command: str) -> "ProcessConfig | None":
         return None
     setup_logging(cfg.job, f"{command}-{cfg.cluster.task_index}")
     keep_large_buffers()
-    return cfg
+    try:
+        security = security_from_env(cfg.training.tls)
+    except SecurityError as err:
+        logging.getLogger(f"tfps.{command}").error(json.dumps({"event": "failed", command: cfg.cluster.task_index, "detail": str(err)}))
+        return None
+    configure_threads()
+    return cfg, security

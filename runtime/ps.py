@@ -1,28 +1,19 @@
 """The parameter server: one shard of the model's variables and its optimizer.
 
-`Shard` holds the state and the consistency logic (no gRPC in it, so tests can drive it
-in-process); `serve()` wraps it in a grpcio server with generic handlers on raw bytes and
-the standard health service.
+- `Shard` serves: it parses and checks each request, applies updates to its variables with
+  its optimizer and encodes replies (no gRPC in it, so tests can drive it in-process);
+- runtime/consistency.py decides (sync, async, bounded: which workers are live, when a sync
+  step closes, when a worker may have parameters back);
+- runtime/checkpoint.py's `ShardCheckpoints` writes and restores the shard;
+- `serve()` wraps a Shard in a grpcio server (the methods of wire.METHODS, raw bytes) with
+  the standard health service, and its data path (runtime/datapath.py).
 
 One RPC does push and pull together (`Step`): a request carries this worker's gradients
 for the version it computed on (`tag`) and asks for the parameters back, so a step costs
 one round trip per shard. Messages over wire.UNARY_MAX_BYTES use the streaming twin
-(`StepStream`).
-
-Consistency (spec.training.consistency.mode):
-- sync: gradients tagged with the current version are summed; the step closes when every
-  live worker has pushed; the mean is applied once and the version bumped. A push for an
-  older version is dropped (`stale`), the worker pulls and recomputes.
-- async: each push is applied on arrival, once: a push carries `seq`, the number of this
-  worker's pushes the shard had applied when the worker last heard from it, so a retried
-  push whose reply was lost is recognised and not applied again.
-- bounded: async, and a worker more than `staleness` steps ahead of the slowest live
-  worker (stale synchronous parallel clocks) waits before it gets parameters back.
-A worker is live when it made a call within `worker_timeout` seconds; a worker never
-seen counts as live for `startup_grace` seconds after this PS started. Workers added by a
-live scale-up have a TF_CONFIG larger than this PS's: their requests say so (`workers`)
-and the PS makes room for them; replies tell workers how many slices to cut each global
-batch into (up to the highest live worker).
+(`StepStream`). Workers added by a live scale-up have a TF_CONFIG larger than this PS's:
+their requests say so (`workers`) and the PS makes room for them; replies tell workers how
+many slices to cut each global batch into (up to the highest live worker).
 """
 from __future__ import annotations
 
@@ -40,14 +31,17 @@ import numpy as np
 import tensorflow as tf
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from . import checkpoint, wire
+from tfps.api.spec import ConsistencyMode, TrainingSpec
+
+from . import wire
+from .checkpoint import ShardCheckpoints
+from .consistency import Consistency, Push, Update
 from .auth import ServerSecurity
 from .datapath import DataServer, split_host
 from .metrics import PSMetrics
 from .models import Param
 from .optimizers import ShardOptimizer
 from .sharding import Part, initial_part
-from .spec import ConsistencyMode, TrainingSpec
 from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.ps")
@@ -66,24 +60,26 @@ class Rejected(wire.WireError):
 
 @dataclass
 class _Request:
-    worker: int
-    tag: int
+    push: Push
     pull: bool
     min_version: int
-    batch: int
-    loss: float | None
     want_dense: bool = True
-    seq: int | None = None  # async/bounded: this worker's pushes this shard had applied when it sent this one
-    dense: dict[str, np.ndarray] = field(default_factory=dict)
-    sparse: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     rows: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
+    def worker(self) -> int:
+        return self.push.worker
+
+    @property
     def has_grads(self) -> bool:
-        return bool(self.dense or self.sparse)
+        return bool(self.push.dense or self.push.sparse)
 
 
 class Shard:
+    """Serving one shard: parses and checks each request, lets `Consistency` decide, applies
+    updates to the shard's variables with its optimizer, replies, and checkpoints through
+    `ShardCheckpoints`. No gRPC in it, so tests can drive it in-process."""
+
     def __init__(
         self,
         parts: list[Part],
@@ -97,26 +93,20 @@ class Shard:
         startup_grace: float = 120.0,
     ):
         self.index, self.training, self.metrics = index, training, metrics
-        self.num_workers = num_workers
         self.mode = training.consistency.mode
-        self.bound = training.consistency.staleness
         self.steps = training.steps
         self.parts = {p.name: p for p in parts}
-        self.worker_timeout, self.startup_grace = worker_timeout, startup_grace
+        self.consistency = Consistency(self.mode, training.consistency.staleness, num_workers, worker_timeout, startup_grace)
         self.max_request_bytes = wire.MAX_MESSAGE_BYTES  # streamed requests too (unary: gRPC's limit)
         self.optimizer = ShardOptimizer(training.optimizer)
         self._wire_dtype = tf.as_dtype(training.wire_dtype.value)  # of the dense parameters it sends
         self.incarnation = secrets.token_hex(4)
         self.cond = threading.Condition()
-        self.started = time.monotonic()
         self.version = 0
-        self.clocks = [0] * num_workers
-        self.last_seen: list[float | None] = [None] * num_workers
         self.examples = 0
         self.loss: float | None = None
-        self.checkpoint_dir = checkpoint.shard_dir(checkpoint_root, index) if checkpoint_root else None
-        self.checkpoint_step = -1
-        self._ckpt_pool = futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
+        self.checkpoints = (ShardCheckpoints(checkpoint_root, index, metrics, training.checkpoint.every_steps, self.steps)
+                            if checkpoint_root else None)
         self._warm: tuple[float, int] | None = None  # (time, examples) once past warm-up
         self._last_rate = 0.0
         self._shared_reply: tuple = (-1, False, b"")
@@ -131,51 +121,23 @@ class Shard:
             }
         dense_vars = {n: v for n, v in self.vars.items() if not self.parts[n].sparse}
         self._apply_dense = self.optimizer.dense_applier(dense_vars, self.slots)
-        self._reset_accumulators()
         self._restore()
         self._publish()
-
-    # ---- state helpers (callers hold self.cond) ----
-    def _reset_accumulators(self) -> None:
-        self._pushed: set[int] = set()
-        self._acc: dict[str, np.ndarray] = {}
-        self._sparse_acc: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        self._acc_loss: list[float] = []
-        self._acc_examples = 0
-        self._acc_tags: list[int] = []
 
     @property
     def done(self) -> bool:
         return self.version >= self.steps
 
-    def _seen(self, worker: int) -> None:
-        self._grow(worker + 1)
-        self.last_seen[worker] = time.monotonic()
+    @property
+    def clocks(self) -> list[int]:
+        return self.consistency.clocks
 
-    def _grow(self, num_workers: int) -> None:
-        """Make room for workers added by a live scale-up (their TF_CONFIG is newer than ours)."""
-        extra = num_workers - self.num_workers
-        if extra > 0:
-            self.clocks += [0] * extra
-            self.last_seen += [None] * extra
-            self.num_workers = num_workers
-
-    def split_size(self) -> int:
-        """How many slices the workers cut each global batch into: up to the highest live
-        worker (so a scale-down stops leaving slices unread once the removed workers are gone)."""
-        live = self.live_workers()
-        return max(live) + 1 if live else self.num_workers
+    @property
+    def checkpoint_step(self) -> int:
+        return self.checkpoints.step if self.checkpoints else -1
 
     def live_workers(self) -> list[int]:
-        now = time.monotonic()
-        live = []
-        for w, seen in enumerate(self.last_seen):
-            if seen is None:
-                if now - self.started < self.startup_grace:
-                    live.append(w)
-            elif now - seen < self.worker_timeout:
-                live.append(w)
-        return live
+        return self.consistency.live_workers()
 
     def _publish(self) -> None:
         m = self.metrics
@@ -186,57 +148,67 @@ class Shard:
 
     # ---- validation: nothing is touched until the whole request is known good ----
     def _parse(self, msg: wire.Message) -> _Request:
-        meta = msg.meta
-        try:
-            worker = int(meta.get("worker", -1))
-            tag = int(meta.get("tag", -1))
-            pull = bool(meta.get("pull", True))
-            min_version = int(meta.get("min_version", 0))
-            batch = int(meta.get("batch", 0))
-            loss = meta.get("loss")
-            loss = None if loss is None else float(loss)
-            seq = None if meta.get("seq") is None else int(meta["seq"])
-            # the cluster size in the worker's TF_CONFIG: larger than this PS's after a scale-up
-            claimed = min(int(meta.get("workers", self.num_workers)), MAX_WORKERS)
-        except (TypeError, ValueError) as err:
-            raise Rejected("malformed", f"bad request fields: {err}") from None
-        if not 0 <= worker < max(self.num_workers, claimed):
-            raise Rejected("malformed", f"worker {worker} is not in the cluster (0..{max(self.num_workers, claimed) - 1})")
-        if batch < 0 or (loss is not None and not math.isfinite(loss)):
-            raise Rejected("non_finite" if loss is not None and not math.isfinite(loss) else "malformed", "batch must be >= 0 and loss finite")
-        req = _Request(worker, tag, pull, min_version, batch, loss, bool(meta.get("dense", True)), seq)
+        req = self._parse_fields(msg.meta)
         for name, arr in msg.tensors.items():
-            base, _, kind = name.partition(":")
-            part = self.parts.get(base)
-            if part is None:
-                raise Rejected("unknown_variable", f"variable {base!r} is not on PS {self.index}")
-            if kind == "":
-                self._check_values(name, arr, part.shape, DENSE_WIRE_DTYPES)
-                if part.sparse:
-                    raise Rejected("wrong_shape", f"{name!r} is an embedding table: push rows (indices, values)")
-                req.dense[name] = arr
-            elif kind in ("indices", "rows"):
-                if not part.sparse:
-                    raise Rejected("unknown_variable", f"{base!r} is dense: it has no rows")
-                if arr.dtype != np.int64 or arr.ndim != 1:
-                    raise Rejected("wrong_dtype", f"{name!r}: row indices must be 1-D int64, got {arr.dtype} {list(arr.shape)}")
-                if arr.size and (arr.min() < 0 or arr.max() >= part.shape[0]):
-                    raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}")
-                if kind == "rows":
-                    req.rows[base] = arr
-            elif kind == "values":
-                idx = msg.tensors.get(f"{base}:indices")
-                if idx is None:
-                    raise Rejected("malformed", f"{name!r} without {base}:indices")
-                self._check_values(name, arr, (len(idx), *part.shape[1:]))
-                req.sparse[base] = (idx, arr)
-            else:
-                raise Rejected("malformed", f"tensor {name!r}: unknown kind {kind!r}")
+            self._parse_tensor(req, name, arr, msg.tensors)
         for name in msg.tensors:
             base, _, kind = name.partition(":")
-            if kind == "indices" and base not in req.sparse:
+            if kind == "indices" and base not in req.push.sparse:
                 raise Rejected("malformed", f"{name!r} without {base}:values")
         return req
+
+    def _parse_fields(self, meta: dict) -> _Request:
+        try:
+            worker = int(meta.get("worker", -1))
+            loss = meta.get("loss")
+            loss = None if loss is None else float(loss)
+            push = Push(worker, int(meta.get("tag", -1)), int(meta.get("batch", 0)), loss,
+                        None if meta.get("seq") is None else int(meta["seq"]))
+            req = _Request(push, bool(meta.get("pull", True)), int(meta.get("min_version", 0)), bool(meta.get("dense", True)))
+            # the cluster size in the worker's TF_CONFIG: larger than this PS's after a scale-up
+            claimed = min(int(meta.get("workers", self.consistency.num_workers)), MAX_WORKERS)
+        except (TypeError, ValueError) as err:
+            raise Rejected("malformed", f"bad request fields: {err}") from None
+        cluster = max(self.consistency.num_workers, claimed)
+        if not 0 <= worker < cluster:
+            raise Rejected("malformed", f"worker {worker} is not in the cluster (0..{cluster - 1})")
+        if loss is not None and not math.isfinite(loss):
+            raise Rejected("non_finite", "batch must be >= 0 and loss finite")
+        if push.batch < 0:
+            raise Rejected("malformed", "batch must be >= 0 and loss finite")
+        return req
+
+    def _parse_tensor(self, req: _Request, name: str, arr: np.ndarray, tensors: dict[str, np.ndarray]) -> None:
+        base, _, kind = name.partition(":")
+        part = self.parts.get(base)
+        if part is None:
+            raise Rejected("unknown_variable", f"variable {base!r} is not on PS {self.index}")
+        if kind == "":
+            self._check_values(name, arr, part.shape, DENSE_WIRE_DTYPES)
+            if part.sparse:
+                raise Rejected("wrong_shape", f"{name!r} is an embedding table: push rows (indices, values)")
+            req.push.dense[name] = arr
+        elif kind in ("indices", "rows"):
+            self._check_rows(name, arr, part)
+            if kind == "rows":
+                req.rows[base] = arr
+        elif kind == "values":
+            idx = tensors.get(f"{base}:indices")
+            if idx is None:
+                raise Rejected("malformed", f"{name!r} without {base}:indices")
+            self._check_values(name, arr, (len(idx), *part.shape[1:]))
+            req.push.sparse[base] = (idx, arr)
+        else:
+            raise Rejected("malformed", f"tensor {name!r}: unknown kind {kind!r}")
+
+    @staticmethod
+    def _check_rows(name: str, arr: np.ndarray, part: Part) -> None:
+        if not part.sparse:
+            raise Rejected("unknown_variable", f"{part.name!r} is dense: it has no rows")
+        if arr.dtype != np.int64 or arr.ndim != 1:
+            raise Rejected("wrong_dtype", f"{name!r}: row indices must be 1-D int64, got {arr.dtype} {list(arr.shape)}")
+        if arr.size and (arr.min() < 0 or arr.max() >= part.shape[0]):
+            raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}")
 
     @staticmethod
     def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = (np.float32,)) -> None:
@@ -247,27 +219,27 @@ class Shard:
         if arr.size and not _finite(arr):
             raise Rejected("non_finite", f"{name!r}: gradient contains NaN or Inf")
 
-    # ---- the update ----
-    def _apply(self, dense: dict[str, np.ndarray], sparse: dict[str, tuple[np.ndarray, np.ndarray]], examples: int, loss: float | None, staleness: int) -> None:
+    # ---- the update (callers hold self.cond) ----
+    def _apply(self, update: Update) -> None:
         t0 = time.perf_counter()
         t = self.version + 1
-        if dense:
-            self._apply_dense(dense, t)
-        for name, (rows, values) in sparse.items():
+        if update.dense:
+            self._apply_dense(update.dense, t)
+        for name, (rows, values) in update.sparse.items():
             self.optimizer.apply_sparse(self.vars[name], self.slots[name], rows, values, t)
         self.version = t
-        self.examples += examples
-        if loss is not None:
-            self.loss = loss
+        self.examples += update.examples
+        if update.loss is not None:
+            self.loss = update.loss
         m = self.metrics
         m.apply_seconds.observe(time.perf_counter() - t0)
         m.updates.inc()
-        m.staleness.observe(max(0, staleness))
-        m.examples.inc(examples)
+        m.staleness.observe(update.staleness)
+        m.examples.inc(update.examples)
         self._publish()
         self._track_rate()
-        if self.checkpoint_dir and (t % self.training.checkpoint.every_steps == 0 or t == self.steps):
-            self._checkpoint_async()
+        if self.checkpoints and self.checkpoints.due(t):
+            self.checkpoints.save(*self._snapshot())
         self.cond.notify_all()
 
     def _track_rate(self) -> None:
@@ -279,62 +251,46 @@ class Shard:
         elif now > self._warm[0]:
             self._last_rate = (self.examples - self._warm[1]) / (now - self._warm[0])
 
-    def _push_sync(self, req: _Request) -> bool:
-        """Returns False when the push was stale (computed on another version)."""
-        if req.tag != self.version:
-            return False
-        if req.worker in self._pushed:
-            return True  # a retried push of this step; counted once
-        for name, grad in req.dense.items():
-            acc = self._acc.get(name)
-            if acc is None:
-                acc = self._acc[name] = wire.aligned_empty(grad.size * 4).view(np.float32).reshape(grad.shape)
-                acc[...] = grad
-            else:
-                np.add(acc, grad, out=acc)
-        for name, (idx, values) in req.sparse.items():
-            self._sparse_acc.setdefault(name, []).append((idx.copy(), values.copy()))
-        self._pushed.add(req.worker)
-        self._acc_examples += req.batch
-        if req.loss is not None:
-            self._acc_loss.append(req.loss)
-        self._maybe_close()
-        return True
-
-    def _maybe_close(self) -> None:
-        if not self._pushed or self.done:
-            return
-        if not set(self.live_workers()) <= self._pushed:
-            return
-        n = len(self._pushed)
-        scale = np.float32(1.0 / n)
-        dense = {k: np.multiply(v, scale, out=v) for k, v in self._acc.items()}
-        sparse = {}
-        for name, pieces in self._sparse_acc.items():
-            sparse[name] = (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]) * scale)
-        loss = float(np.mean(self._acc_loss)) if self._acc_loss else None
-        examples = self._acc_examples
-        self._reset_accumulators()
-        self._apply(dense, sparse, examples, loss, 0)
-
-    def _push_async(self, req: _Request) -> None:
-        if req.seq is not None and req.seq < self.clocks[req.worker]:
-            # A retry of a push applied before whose reply was lost: apply it once only.
-            self.metrics.duplicates.inc()
-            return
-        staleness = self.version - req.tag if req.tag >= 0 else 0
-        self.clocks[req.worker] += 1
-        self._apply(req.dense, req.sparse, req.batch, req.loss, staleness)
-
-    def _ready(self, req: _Request, target: int) -> bool:
+    def _close_sync_step(self) -> None:
         if self.done:
-            return True
-        if self.mode is ConsistencyMode.SYNC:
-            return self.version >= target
-        if self.mode is ConsistencyMode.BOUNDED:
-            live = self.live_workers() or [req.worker]
-            return self.clocks[req.worker] - min(self.clocks[w] for w in live) <= self.bound
-        return True
+            return
+        update = self.consistency.close_sync()
+        if update is not None:
+            self._apply(update)
+
+    def _accept(self, req: _Request) -> tuple[int, bool]:
+        """Take a request's push, if any: (the version its reply waits for, stale?)."""
+        target = req.min_version
+        if req.has_grads and not self.done:
+            if self.mode is not ConsistencyMode.SYNC:
+                update = self.consistency.push_async(req.push, self.version)
+                if update is None:  # a retry of a push applied before whose reply was lost
+                    self.metrics.duplicates.inc()
+                else:
+                    self._apply(update)
+                return target, False
+            if not self.consistency.push_sync(req.push, self.version):
+                return target, True
+            self._close_sync_step()
+            return max(target, req.push.tag + 1), False
+        # A sync worker waiting for a step its push never reached, or that this PS lost by
+        # restarting (accumulated pushes are not checkpointed): stale, so it recomputes.
+        stale = (self.mode is ConsistencyMode.SYNC and req.pull and target > self.version
+                 and req.worker not in self.consistency.pushed and not self.done)
+        return target, stale
+
+    def _wait(self, req: _Request, target: int) -> bool:
+        """Wait until the worker may have parameters back; True when it must ask again (pending)."""
+        deadline = time.monotonic() + POLL_SECONDS
+        while not (self.done or self.consistency.ready(req.worker, self.version, target)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            self.cond.wait(min(left, 0.25))
+            self.consistency.seen(req.worker)
+            if self.mode is ConsistencyMode.SYNC:
+                self._close_sync_step()
+        return False
 
     def step(self, data: bytes | memoryview, encoding: str = "bytes") -> bytes | list:
         """Handle one Step request (push and/or pull); raises Rejected on bad input.
@@ -345,34 +301,10 @@ class Shard:
         except wire.WireError as err:
             raise Rejected(err.reason, str(err)) from None
         self.metrics.bytes_in.inc(len(data))
-        stale = False
         with self.cond:
-            self._seen(req.worker)
-            target = req.min_version
-            if req.has_grads and not self.done:
-                if self.mode is ConsistencyMode.SYNC:
-                    stale = not self._push_sync(req)
-                    if not stale:
-                        target = max(target, req.tag + 1)
-                else:
-                    self._push_async(req)
-            elif (self.mode is ConsistencyMode.SYNC and req.pull and target > self.version
-                  and req.worker not in self._pushed and not self.done):
-                # It waits for a step its push never reached or that this PS lost by restarting
-                # (accumulated pushes are not checkpointed): stale, so it recomputes and pushes again.
-                stale = True
-            pending = False
-            if req.pull and not stale:
-                deadline = time.monotonic() + POLL_SECONDS
-                while not self._ready(req, target):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        pending = True
-                        break
-                    self.cond.wait(min(left, 0.25))
-                    self._seen(req.worker)
-                    if self.mode is ConsistencyMode.SYNC:
-                        self._maybe_close()
+            self.consistency.seen(req.worker)
+            target, stale = self._accept(req)
+            pending = req.pull and not stale and self._wait(req, target)
             self.metrics.workers_live.set(len(self.live_workers()))
             # In sync mode every worker gets the same reply for a version: encode it once.
             shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
@@ -383,27 +315,29 @@ class Shard:
             meta = {
                 "version": self.version,
                 "done": self.done,
-                "workers": self.split_size(),
+                "workers": self.consistency.split_size(),
                 "clock": 0 if shared else self.clocks[req.worker],
                 "incarnation": self.incarnation,
                 "stale": stale,
                 "pending": pending,
             }
-            tensors = {}
-            if req.pull and not pending:
-                for name, var in self.vars.items():
-                    if req.want_dense and not self.parts[name].sparse:
-                        tensors[name] = var.read_value() if self._wire_dtype == tf.float32 else tf.cast(var, self._wire_dtype)
-                for name, idx in req.rows.items():
-                    tensors[f"{name}:rows"] = tf.raw_ops.ResourceGather(resource=self.vars[name].handle, indices=idx, dtype=tf.float32)
+            tensors = self._read(req) if req.pull and not pending else {}
         # Serialise outside the lock: the tensors read above are snapshots (TF copies a
         # variable's buffer on the next update while a reader still holds it).
-        arrays = {k: np.asarray(v) for k, v in tensors.items()}
-        out = ENCODERS[encoding](meta, arrays)
+        out = ENCODERS[encoding](meta, {k: np.asarray(v) for k, v in tensors.items()})
         if shared:
             self._shared_reply = (meta["version"], encoding, out)
         self.metrics.bytes_out.inc(_size(out))
         return out
+
+    def _read(self, req: _Request) -> dict:
+        tensors = {}
+        for name, var in self.vars.items():
+            if req.want_dense and not self.parts[name].sparse:
+                tensors[name] = var.read_value() if self._wire_dtype == tf.float32 else tf.cast(var, self._wire_dtype)
+        for name, idx in req.rows.items():
+            tensors[f"{name}:rows"] = tf.raw_ops.ResourceGather(resource=self.vars[name].handle, indices=idx, dtype=tf.float32)
+        return tensors
 
     def pull_full(self) -> list[bytes]:
         """Every part whole, embedding tables included (for export and evaluation), as chunks."""
@@ -431,6 +365,9 @@ class Shard:
             }
 
     # ---- checkpoints ----
+    def _expected_parts(self) -> dict[str, list[int]]:
+        return {n: list(p.shape) for n, p in self.parts.items()}
+
     def _snapshot(self) -> tuple[dict, dict]:
         tensors = {}
         for name, var in self.vars.items():
@@ -443,65 +380,39 @@ class Shard:
             "examples": self.examples,
             "loss": self.loss,
             "optimizer": self.optimizer.name.value,
-            "parts": {n: list(p.shape) for n, p in self.parts.items()},
+            "parts": self._expected_parts(),
         }
         return meta, tensors
 
-    def _write(self, meta: dict, tensors: dict) -> None:
-        try:
-            checkpoint.write(self.checkpoint_dir, meta, {k: np.asarray(v) for k, v in tensors.items()})
-        except OSError:
-            log.exception("checkpoint of PS %d at step %d failed", self.index, meta["version"])
-            return
-        self.checkpoint_step = max(self.checkpoint_step, meta["version"])
-        self.metrics.checkpoints.inc()
-        self.metrics.checkpoint_step.set(self.checkpoint_step)
-        log.info(json.dumps({"event": "checkpoint", "ps": self.index, "step": meta["version"], "path": str(self.checkpoint_dir)}))
-
-    def _checkpoint_async(self) -> None:
-        meta, tensors = self._snapshot()
-        self._ckpt_pool.submit(self._write, meta, tensors)
-
     def checkpoint_now(self) -> int:
         """Write a checkpoint of the current state and wait for it; returns its step."""
-        if not self.checkpoint_dir:
+        if not self.checkpoints:
             return -1
         with self.cond:
             meta, tensors = self._snapshot()
-        if meta["version"] > self.checkpoint_step:
-            self._ckpt_pool.submit(self._write, meta, tensors).result()
-        return self.checkpoint_step
+        if meta["version"] > self.checkpoints.step:
+            self.checkpoints.save(meta, tensors, wait=True)
+        return self.checkpoints.step
 
     def _restore(self) -> None:
-        if not self.checkpoint_dir:
-            return
-        msg = checkpoint.read(self.checkpoint_dir)
+        msg = self.checkpoints.load(self._expected_parts(), self.optimizer.name.value) if self.checkpoints else None
         if msg is None:
             return
-        meta = msg.meta
-        expected = {n: list(p.shape) for n, p in self.parts.items()}
-        if meta.get("parts") != expected or meta.get("optimizer") != self.optimizer.name.value:
-            raise RuntimeError(
-                f"checkpoint in {self.checkpoint_dir} was written for another model, placement or optimizer; "
-                "move it away or point spec.training.checkpoint.path elsewhere"
-            )
         for name, var in self.vars.items():
             var.assign(msg.tensors[name])
             for slot, svar in self.slots[name].items():
                 svar.assign(msg.tensors[f"{name}:slot:{slot}"])
+        meta = msg.meta
         self.version = int(meta["version"])
         clocks = [int(c) for c in meta.get("clocks", [])]
-        self._grow(len(clocks))
+        self.consistency.grow(len(clocks))
         self.clocks[: len(clocks)] = clocks
         self.examples = int(meta.get("examples", 0))
         self.loss = meta.get("loss")
-        self.checkpoint_step = self.version
-        self.metrics.restored.inc()
-        self.metrics.checkpoint_step.set(self.version)
-        log.info(json.dumps({"event": "restored", "ps": self.index, "step": self.version, "path": str(self.checkpoint_dir)}))
 
     def close(self) -> None:
-        self._ckpt_pool.shutdown(wait=True)
+        if self.checkpoints:
+            self.checkpoints.close()
 
 
 def _finite(arr: np.ndarray) -> bool:
@@ -557,16 +468,9 @@ def _handlers(shard: Shard, data_port: int | None, refused) -> grpc.GenericRpcHa
         step = shard.checkpoint_now()
         return json.dumps({"checkpoint_step": step, **shard.status()}).encode()
 
-    return grpc.method_handlers_generic_handler(
-        SERVICE,
-        {
-            "Step": grpc.unary_unary_rpc_method_handler(step),
-            "StepStream": grpc.stream_stream_rpc_method_handler(step_stream),
-            "PullFull": grpc.unary_stream_rpc_method_handler(pull_full),
-            "Status": grpc.unary_unary_rpc_method_handler(status),
-            "Finish": grpc.unary_unary_rpc_method_handler(finish),
-        },
-    )
+    implementations = {"Step": step, "StepStream": step_stream, "PullFull": pull_full, "Status": status, "Finish": finish}
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        name: getattr(grpc, f"{shape}_rpc_method_handler")(implementations[name]) for name, shape in wire.METHODS.items()})
 
 
 class PSServer:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import threading
 
-from .process import ENV_WORKER_TIMEOUT, add_pod_arguments, configure_threads, start_pod_process
+from .process import add_pod_arguments, start_pod_process
 
 log = logging.getLogger("tfps.ps")
 
@@ -21,18 +20,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = start_pod_process("ps")
-    if cfg is None:
-        return 2
-    index = cfg.cluster.task_index
-    from .auth import SecurityError, ServerSecurity
+    from .auth import ServerSecurity
 
-    try:  # first: a PS that cannot check who calls must not start at all
-        security = ServerSecurity.from_env(cfg.training.tls)
-    except SecurityError as err:
-        log.error(json.dumps({"event": "failed", "ps": index, "detail": str(err)}))
+    started = start_pod_process("ps", ServerSecurity.from_env)
+    if started is None:
         return 2
-    configure_threads()
+    cfg, security = started
+    index = cfg.cluster.task_index
     bind = args.bind or cfg.bind_address
     metrics_port = args.metrics_port or cfg.metrics_port
 
@@ -53,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         index=index,
         metrics=metrics,
         checkpoint_root=cfg.training.checkpoint.path,
-        worker_timeout=float(os.environ.get(ENV_WORKER_TIMEOUT, 10.0)),
+        worker_timeout=cfg.settings.worker_timeout_seconds,
     )
     server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security, data_port=cfg.data_port)
     log.info(json.dumps({

@@ -32,7 +32,7 @@ class Part:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Placement:
     parts: tuple[Part, ...]
     num_ps: int
 
@@ -51,10 +51,10 @@ class Plan:
 
 def _row_splits(rows: int, n: int) -> list[tuple[int, int]]:
     bounds = np.linspace(0, rows, n + 1).round().astype(int)
-    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
 
 
-def place(params: list[Param], num_ps: int) -> Plan:
+def place(params: list[Param], num_ps: int) -> Placement:
     if num_ps < 1:
         raise ValueError("at least one PS is needed")
     total = sum(p.size for p in params)
@@ -76,7 +76,7 @@ def place(params: list[Param], num_ps: int) -> Plan:
         rows = p.shape[0] if p.shape else 1
         parts.append(Part(p.name, p.name, k, 0, rows, tuple(p.shape), p.sparse, p.init))
         loads[k] += p.size
-    return Plan(tuple(parts), num_ps)
+    return Placement(tuple(parts), num_ps)
 
 
 def initial_part(part: Part, param: Param, seed: int) -> np.ndarray:

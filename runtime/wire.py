@@ -32,6 +32,19 @@ MAX_MESSAGE_BYTES = 1 << 30
 _LEN = struct.Struct("<I")
 
 SERVICE = "tfps.ParameterServer"
+# The PS's gRPC methods and their shapes (the names of grpc's `*_rpc_method_handler` on the
+# server and of the channel's call factories on the client), declared once for both.
+METHODS = {
+    "Step": "unary_unary",
+    "StepStream": "stream_stream",  # a Step too large for one message, in chunks
+    "PullFull": "unary_stream",  # every parameter of the shard, in chunks
+    "Status": "unary_unary",
+    "Finish": "unary_unary",  # a final checkpoint
+}
+
+
+def method_path(name: str) -> str:
+    return f"/{SERVICE}/{name}"
 POLL_SECONDS = 2.0  # longest a Step waits before answering "pending" (the worker re-asks)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

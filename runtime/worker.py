@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from concurrent import futures
 from dataclasses import dataclass
@@ -19,17 +18,18 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
+from tfps.api.settings import ProcessSettings
+from tfps.api.spec import ConsistencyMode, TrainingSpec, WireDtype
+
 from . import wire
 from .client import ShardClient
 from .metrics import WorkerMetrics
 from .models import BatchSource, ModelDef
-from .sharding import Plan, place, route_rows
-from .spec import ConsistencyMode, TrainingSpec, WireDtype
+from .sharding import Placement, place, route_rows
 from .zerocopy import as_tensor
 
 log = logging.getLogger("tfps.worker")
 
-ENV_PIPELINE = "TFPS_PIPELINE"  # "0": async workers wait for each push before computing on
 
 
 def use_gpu_memory_growth() -> list:
@@ -123,7 +123,7 @@ class Worker:
         self.model, self.training, self.index = model, training, index
         self.num_workers, self.metrics = num_workers, metrics
         self.mode = training.consistency.mode
-        self.plan: Plan = place(model.params, len(ps_addresses))
+        self.plan: Placement = place(model.params, len(ps_addresses))
         self.clients = [ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc, security=security) for k, a in enumerate(ps_addresses)]
         self.pool = futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="push") if len(self.clients) > 1 else None
         self.train, self.test = model.data()
@@ -145,7 +145,7 @@ class Worker:
         self.last_loss = math.nan
         self.steps_done = 0
         if pipeline is None:
-            pipeline = os.environ.get(ENV_PIPELINE, "1") != "0"
+            pipeline = ProcessSettings().pipeline
         self.pipeline = pipeline and self.mode is not ConsistencyMode.SYNC and not self.sparse
 
     # ---- calls to all shards in parallel ----

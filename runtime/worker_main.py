@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from .process import ENV_RESULT_FILE, ENV_RETRY_SECONDS, ENV_TERMINATION_LOG, add_pod_arguments, configure_threads, start_pod_process
+from .process import add_pod_arguments, start_pod_process
 
 log = logging.getLogger("tfps.worker")
 
@@ -21,18 +21,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = start_pod_process("worker")
-    if cfg is None:
-        return 2
-    index = cfg.cluster.task_index
-    from .auth import ClientSecurity, SecurityError
+    from .auth import ClientSecurity
 
-    try:
-        security = ClientSecurity.from_env(cfg.training.tls)
-    except SecurityError as err:
-        log.error(json.dumps({"event": "failed", "worker": index, "detail": str(err)}))
+    started = start_pod_process("worker", ClientSecurity.from_env)
+    if started is None:
         return 2
-    configure_threads()
+    cfg, security = started
+    index = cfg.cluster.task_index
 
     import grpc
 
@@ -46,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
     worker = Worker(
         model, cfg.training, cfg.cluster.ps, max(1, len(cfg.cluster.workers)), index, metrics,
-        retry_seconds=float(os.environ.get(ENV_RETRY_SECONDS, 300.0)),
+        retry_seconds=cfg.settings.ps_retry_seconds,
         security=security,
     )
     log.info(json.dumps({"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}))
@@ -63,23 +58,23 @@ def run(args: argparse.Namespace) -> int:
         worker.close()
     result["local_steps"] = worker.steps_done
     log.info(json.dumps({"event": "eval", **result}))
-    result_file = os.environ.get(ENV_RESULT_FILE)
+    result_file = cfg.settings.result_file
     if result_file:
         tmp = result_file + ".tmp"
         with open(tmp, "w") as fh:
             json.dump(result, fh)
         os.replace(tmp, result_file)
-    write_termination_message(result)
+    write_termination_message(result, cfg.settings.termination_log)
     return 0
 
 
-def write_termination_message(result: dict) -> None:
+def write_termination_message(result: dict, path: str) -> None:
     """In a pod, the kubelet copies this file into the container's terminated state, where the
     operator reads the final result (status.result) after the pods are gone."""
     if not os.environ.get("KUBERNETES_SERVICE_HOST"):
         return  # not in a pod (`tfps local`): the result file above is the channel
     try:
-        with open(os.environ.get(ENV_TERMINATION_LOG, "/dev/termination-log"), "w") as fh:
+        with open(path, "w") as fh:
             json.dump(result, fh, separators=(",", ":"))
     except OSError as err:
         log.warning(json.dumps({"event": "termination-message-unwritten", "error": str(err)}))

@@ -20,7 +20,7 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 LABEL_JOB, LABEL_TYPE, LABEL_INDEX = "tfps.io/job-name", "tfps.io/replica-type", "tfps.io/replica-index"
 REPO = Path(__file__).resolve().parents[2]

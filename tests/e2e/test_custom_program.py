@@ -13,7 +13,7 @@ import time
 import pytest
 from kubernetes import client
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

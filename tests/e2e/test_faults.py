@@ -24,7 +24,8 @@ import pytest
 from kubernetes import client
 
 from jobrun import JobRun, install_chart, manifest
-from tfps.runtime.checkpoint import CRASH_MARKER, ENV_CRASH_AT
+from tfps.api.naming import ENV_CRASH_AT
+from tfps.runtime.checkpoint import CRASH_MARKER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 

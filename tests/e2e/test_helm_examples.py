@@ -18,7 +18,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL, ReplicaType, load_manifest
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, ReplicaType, load_manifest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -19,7 +19,7 @@ import pytest
 from kubernetes import client
 
 from jobrun import install_chart
-from tfps.runtime.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -3,13 +3,11 @@ running as a real process (killable, restartable) against the local control plan
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -18,6 +16,8 @@ from kubernetes.client.rest import ApiException
 
 from tfps.runtime.ports import free_port
 
+from support import scrape, wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "trainingjob.yaml", REPO / "crds" / "kopf-peering.yaml"]
 GROUP, VERSION, PLURAL = "tfps.io", "v1alpha1", "trainingjobs"
@@ -25,18 +25,6 @@ GROUP, VERSION, PLURAL = "tfps.io", "v1alpha1", "trainingjobs"
 LOCAL_RESOURCES = yaml.safe_load((REPO / "hack" / "values-local.yaml").read_text())["runtime"]["resources"]
 # Pods the node must not run: tests set their status through the API instead.
 UNSCHEDULABLE = {"spec": {"nodeSelector": {"tfps.io/test": "status-set-by-test"}}}
-
-
-def wait_for(what: str, fn: Callable[[], Any], timeout: float = 30, interval: float = 0.2):
-    """Poll until fn() is truthy and return it; fail with the last value seen."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 def job_manifest(name: str, ps: int = 2, workers: int = 4, *, policy: str = "OnFailure", template=UNSCHEDULABLE,
@@ -70,12 +58,12 @@ class OperatorHarness:
         self.custom = client.CustomObjectsApi(cluster.api)
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
-        self.metrics_port = 0
+        self.metrics_port = self.health_port = 0
 
     # --- the operator process -------------------------------------------------------
     def start(self, *extra: str, config: dict | None = None) -> subprocess.Popen:
         """Start `tfps operator`; `config` is written as its configuration file."""
-        self.metrics_port = free_port()
+        self.metrics_port, self.health_port = free_port(), free_port()
         config = {"resources": LOCAL_RESOURCES, **(config or {})}
         config_path = str(self.log_dir / f"config-{len(self.procs)}.yaml")
         Path(config_path).write_text(yaml.safe_dump(config))
@@ -83,7 +71,7 @@ class OperatorHarness:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tfps.cli.main", "operator", "--namespace", self.namespace,
              "--metrics-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
-             "--health-port", str(free_port()), *extra],
+             "--health-port", str(self.health_port), *extra],
             env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": config_path}, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc
@@ -107,10 +95,7 @@ class OperatorHarness:
         return "\n".join(p.read_text() for p in sorted(self.log_dir.glob("operator-*.log")))
 
     def metrics(self) -> str:
-        import urllib.request
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            return resp.read().decode()
+        return scrape(self.metrics_port)
 
     # --- TrainingJobs -----------------------------------------------------------------
     def create(self, body: dict) -> dict:

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 import pytest
 
+from tfps.api.naming import ENV_CRASH_AT
 from tfps.runtime import checkpoint, wire
 
 pytestmark = pytest.mark.integration
@@ -31,9 +32,9 @@ print("wrote", sys.argv[2:])
 
 
 def _write(folder, *versions: int, crash_at: int | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != checkpoint.ENV_CRASH_AT}
+    env = {k: v for k, v in os.environ.items() if k != ENV_CRASH_AT}
     if crash_at is not None:
-        env[checkpoint.ENV_CRASH_AT] = str(crash_at)
+        env[ENV_CRASH_AT] = str(crash_at)
     return subprocess.run([sys.executable, "-c", WRITER, str(folder), *map(str, versions)], env=env,
                           capture_output=True, text=True, timeout=120)
 

@@ -3,7 +3,8 @@ Pod phases and exit codes are written through the API, as a kubelet would write 
 from __future__ import annotations
 
 import pytest
-from conftest import job_manifest, wait_for
+from conftest import job_manifest
+from support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -56,7 +57,7 @@ def test_backoff_limit_exhausted_fails_the_job(tfps_operator):
     for attempt in (1, 2):
         uid = _uid(op, "b", "b-worker-0")
         op.set_pod("b-worker-0", "Failed", exit_code=1)
-        wait_for(f"restart {attempt}", lambda: "b-worker-0" in (p := op.pods("b")) and p["b-worker-0"].metadata.uid != uid)
+        wait_for(f"restart {attempt}", lambda uid=uid: "b-worker-0" in (p := op.pods("b")) and p["b-worker-0"].metadata.uid != uid)
         op.set_pod("b-worker-0", "Running")
     op.set_pod("b-worker-0", "Failed", exit_code=1)
     status = op.wait_phase("b", "Failed")
@@ -125,4 +126,8 @@ def test_clean_pod_policy(tfps_operator, policy, left):
     _running(op, "x", {"x-ps-0", "x-worker-0", "x-worker-1"})
     op.set_pod("x-worker-0", "Succeeded", exit_code=0)
     op.wait_phase("x", "Succeeded")
-    wait_for(f"pods left: {sorted(left)}", lambda: set(op.pods("x")) == left or None)
+    # The pass that finishes the job deletes per cleanPodPolicy before its Events are posted:
+    # once the Succeeded Event is there, the pods left are the ones the policy keeps.
+    wait_for("the Succeeded Event", lambda: "TrainingJobSucceeded" in {r for r, _ in op.events("x")})
+    wait_for(f"pods left: {sorted(left)}", lambda: set(op.pods("x")) == left)
+    assert set(op.pods("x")) == left

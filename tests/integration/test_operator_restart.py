@@ -3,11 +3,12 @@ exactly the right pods; two replicas elect a leader and the standby takes over."
 from __future__ import annotations
 
 import json
-import time
+import urllib.request
 
 import pytest
 from kubernetes.client.rest import ApiException
-from conftest import job_manifest, wait_for
+from conftest import job_manifest
+from support import sample, scrape, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -22,7 +23,7 @@ def _pod_uids(op, job: str) -> dict[str, str]:
 def test_operator_killed_mid_creation_leaves_exactly_the_right_pods(tfps_operator):
     op = tfps_operator
     expected = {f"big-ps-{i}" for i in range(2)} | {f"big-worker-{i}" for i in range(WORKERS)}
-    for attempt in range(3):
+    for _attempt in range(3):
         op.create(job_manifest("big", ps=2, workers=WORKERS))
         at_kill = wait_for("the first pods", lambda: _pod_uids(op, "big"), timeout=60, interval=0.02)
         op.kill()
@@ -35,10 +36,9 @@ def test_operator_killed_mid_creation_leaves_exactly_the_right_pods(tfps_operato
         op.start()
     assert 0 < len(at_kill) < len(expected), f"could not kill mid-creation ({len(at_kill)} pods)"
 
-    # While no operator runs, a second job is created: it must not be lost.
+    # While no operator runs (the killed one has exited), a second job is created: it must not be lost.
     op.create(job_manifest("late", ps=1, workers=1))
-    time.sleep(1)
-    assert not _pod_uids(op, "late")
+    assert not op.status("late") and not _pod_uids(op, "late")
 
     op.start()
     wait_for(f"{len(expected)} pods", lambda: set(_pod_uids(op, "big")) == expected, timeout=90)
@@ -49,8 +49,20 @@ def test_operator_killed_mid_creation_leaves_exactly_the_right_pods(tfps_operato
     # (the pods are held unschedulable: the Running condition says so, status False)
     assert status["restartCount"] == 0 and [c["type"] for c in status["conditions"] if c["status"] == "True"] == ["Created"]
     wait_for("the late job's pods", lambda: set(_pod_uids(op, "late")) == {"late-ps-0", "late-worker-0"})
-    time.sleep(2)
-    assert set(_pod_uids(op, "big")) == expected  # and nothing more appears
+    # A spec change makes the operator reconcile the big job once more (observedGeneration says
+    # when): that pass, which saw every pod, creates nothing more.
+    generation = op.job("big")["metadata"]["generation"]
+    op.patch_spec("big", {"runPolicy": {"ttlSecondsAfterFinished": 3600}})
+    wait_for("a pass over the changed spec", lambda: (op.status("big").get("observedGeneration") or 0) > generation)
+    assert set(_pod_uids(op, "big")) == expected
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
 
 
 def _peers(op) -> dict | None:
@@ -68,14 +80,17 @@ def test_two_replicas_elect_a_leader_and_the_standby_takes_over(tfps_operator):
     leader = op.start("--priority", "200", "--peering-lifetime", "8")
     wait_for("the leader's peering record", lambda: _peers(op), timeout=30)
     standby = op.start("--priority", "100", "--peering-lifetime", "8")
-    time.sleep(3)
+    standby_metrics = op.metrics_port
+    wait_for("the standby up", lambda: _healthy(op.health_port), timeout=60)
 
     op.create(job_manifest("le", ps=1, workers=2))
     op.wait_pods("le", {"le-ps-0", "le-worker-0", "le-worker-1"})
     op.set_all("le")
     op.wait_phase("le", "Running")
+    # The standby, up before the job existed, starts paused and stays so while the leader's
+    # record is fresh: the leader did all the work, the standby made no reconcile pass.
+    assert sample(scrape(standby_metrics), "tfps_operator_reconcile_seconds_count") == 0
     standby_log = (op.log_dir / "operator-2.log").read_text()
-    # The standby starts paused and stays so while the leader's record is fresh.
     assert "Resuming operations" not in standby_log and "created" not in standby_log
 
     op.kill(leader)

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import job_manifest, wait_for
+from conftest import job_manifest
+from support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

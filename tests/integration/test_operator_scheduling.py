@@ -3,7 +3,8 @@ nvidia.com/gpu than the node advertises (4) Pending, and the operator says why."
 from __future__ import annotations
 
 import pytest
-from conftest import job_manifest, wait_for
+from conftest import job_manifest
+from support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -52,6 +52,7 @@ INVALID = [
     ("zero-steps", _with("spec.training.steps", 0), "spec.training.steps"),
     ("unknown-consistency", _with("spec.training.consistency", {"mode": "eventual"}), "spec.training.consistency.mode"),
     ("misspelled-training-field", _with("spec.training.batchsize", 32), "spec.training.batchsize"),
+    ("unknown-model", _with("spec.training.model", "resnet9000"), "digits-mlp, mlp, wide-deep"),
     ("zero-checkpoint-interval", _with("spec.training.checkpoint", {"everySteps": 0}), "spec.training.checkpoint.everySteps"),
     ("bad-clean-pod-policy", _with("spec.runPolicy", {"cleanPodPolicy": "Sometimes"}), "spec.runPolicy.cleanPodPolicy"),
     ("negative-backoff", _with("spec.runPolicy", {"backoffLimit": -1}), "spec.runPolicy.backoffLimit"),

@@ -12,7 +12,6 @@ selects (hack/prometheus.py).
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -29,9 +28,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tfps.runtime import tfconfig
+from tfps.api import naming, tfconfig
 from tfps.runtime.ports import free_port
-from tfps.runtime.spec import ReplicaType, TrainingJobSpec
+from tfps.api.spec import ReplicaType, TrainingJobSpec
+
+from support import hack_module, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -49,15 +50,7 @@ RATE_INTERVAL = "10s"
 EXTERNAL_PANELS = {"GPU utilisation": "DCGM_FI_DEV_"}
 
 
-def _load_hack(name: str):
-    spec = importlib.util.spec_from_file_location(f"tfps_hack_{name}", REPO / "hack" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-prom = _load_hack("prometheus")
+prom = hack_module("prometheus")
 
 
 def _helm() -> str | None:
@@ -103,15 +96,15 @@ class Run:
 
     def env(self, rtype: ReplicaType, index: int) -> dict[str, str]:
         cfg = tfconfig.tf_config(JOB, self.namespace, self.spec, rtype, index,
-                                 address=lambda t, i: f"{self.ip(t, i)}:{tfconfig.GRPC_PORT}")
+                                 address=lambda t, i: f"{self.ip(t, i)}:{naming.GRPC_PORT}")
         return {
             **os.environ,
-            tfconfig.ENV_TF_CONFIG: json.dumps(cfg),
-            tfconfig.ENV_JOB_NAME: JOB,
-            tfconfig.ENV_NAMESPACE: self.namespace,
-            tfconfig.ENV_TRAINING: json.dumps(self.spec.training.to_manifest()),
-            tfconfig.ENV_BIND_ADDRESS: self.ip(rtype, index),
-            tfconfig.ENV_METRICS_PORT: str(tfconfig.METRICS_PORT),
+            naming.ENV_TF_CONFIG: json.dumps(cfg),
+            naming.ENV_JOB_NAME: JOB,
+            naming.ENV_NAMESPACE: self.namespace,
+            naming.ENV_TRAINING: json.dumps(self.spec.training.to_manifest()),
+            naming.ENV_BIND_ADDRESS: self.ip(rtype, index),
+            naming.ENV_METRICS_PORT: str(naming.METRICS_PORT),
             "TFPS_INTRA_OP_THREADS": "1",
             "TF_CPP_MIN_LOG_LEVEL": "2",
             "CUDA_VISIBLE_DEVICES": "",
@@ -120,16 +113,15 @@ class Run:
     def start(self) -> None:
         tfps = shutil.which("tfps", path=str(Path(sys.executable).parent)) or "tfps"
         for rtype, index in self.replicas():
-            name = tfconfig.pod_name(JOB, rtype, index)
+            name = naming.pod_name(JOB, rtype, index)
             log = open(self.workdir / f"{name}.log", "wb")
             self.procs[name] = subprocess.Popen([tfps, rtype.task_type], env=self.env(rtype, index),
                                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def targets(self) -> list:
-        from tfps.operator import naming
 
-        return [prom.PodTarget(namespace=self.namespace, name=tfconfig.pod_name(JOB, t, i),
-                               address=f"{self.ip(t, i)}:{tfconfig.METRICS_PORT}",
+        return [prom.PodTarget(namespace=self.namespace, name=naming.pod_name(JOB, t, i),
+                               address=f"{self.ip(t, i)}:{naming.METRICS_PORT}",
                                labels=naming.replica_labels(JOB, t, i), port_name=naming.METRICS_PORT_NAME,
                                container=naming.CONTAINER_NAME)
                 for t, i in self.replicas()]
@@ -172,8 +164,7 @@ def scraped_run(tmp_path_factory):
     try:
         api.wait_ready(timeout=90)
         sel = f'namespace="{namespace}", job="{JOB}"'
-        deadline = time.monotonic() + 300
-        while True:
+        def scraped_enough():
             run.check_alive()
             targets = api.get("/api/v1/targets")["activeTargets"]
             up = [t for t in targets if t["health"] == "up"]
@@ -181,12 +172,10 @@ def scraped_run(tmp_path_factory):
             samples = api.query(f"min(count_over_time(tfps_worker_steps_total{{{sel}}}[1m]))")["result"]
             stepping = api.query(f"sum(rate(tfps_worker_steps_total{{{sel}}}[{RATE_INTERVAL}])) > 0")["result"]
             ps_samples = api.query(f"min(count_over_time(tfps_ps_global_step{{{sel}}}[1m]))")["result"]
-            if (len(up) == len(run.procs) and samples and float(samples[0]["value"][1]) >= 12 and stepping
-                    and ps_samples and float(ps_samples[0]["value"][1]) >= 12):
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"the run was not scraped in time: targets {[(t['labels'], t['health'], t['lastError']) for t in targets]}")
-            time.sleep(1)
+            return (len(up) == len(run.procs) and samples and float(samples[0]["value"][1]) >= 12 and stepping
+                    and ps_samples and float(ps_samples[0]["value"][1]) >= 12)
+
+        wait_for("every replica scraped while the workers step", scraped_enough, timeout=300, interval=1)
         yield api, namespace, run, workdir
     finally:
         run.stop()
@@ -271,15 +260,12 @@ def test_every_alert_expression_evaluates(scraped_run):
         data = api.query(rule["expr"])  # raises when Prometheus cannot parse or evaluate it
         assert data["resultType"] == "vector", rule["alert"]
     # Prometheus also loaded the same rules and evaluates them every second without error.
-    deadline = time.monotonic() + 30
-    while True:
+    def all_evaluated_ok():
         loaded = {r["name"]: r for g in api.get("/api/v1/rules")["groups"] for r in g["rules"]}
         # health is "unknown" until a rule's first evaluation, "err" when it failed.
-        if set(loaded) == {r["alert"] for r in rules} and all(r["health"] == "ok" for r in loaded.values()):
-            break
-        if time.monotonic() > deadline:
-            pytest.fail(f"rules not all evaluated ok: {[(n, r.get('health'), r.get('lastError')) for n, r in loaded.items()]}")
-        time.sleep(1)
+        return set(loaded) == {r["alert"] for r in rules} and all(r["health"] == "ok" for r in loaded.values())
+
+    wait_for("every rule evaluated without error", all_evaluated_ok, timeout=30, interval=1)
 
 
 def test_a_healthy_run_raises_no_alert(scraped_run):

@@ -8,7 +8,9 @@ import pytest
 
 from tfps.runtime import wire
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.runtime.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec
+
+from support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -92,8 +94,7 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
     training = _training(steps=240, batchSize=16, optimizer={"name": "adam", "learningRate": 0.003}, consistency={"mode": mode})
     with InProcessCluster(training, num_ps=2, num_workers=2) as cluster:
         def late_worker():
-            while cluster.shards[0].version < 40:
-                threading.Event().wait(0.05)
+            wait_for("step 40", lambda: cluster.shards[0].version >= 40, timeout=120, interval=0.05)
             worker = Worker(cluster.model(), training, cluster.addresses, 3, 2, WorkerMetrics(Identity("inprocess", "default", "worker", 2)))
             try:
                 worker.run()
@@ -107,7 +108,7 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
         workers, result = cluster.train()
         thread.join(timeout=120)
         assert joined and joined[0].steps_done > 0, "the added worker never trained"
-        assert all(s.num_workers == 3 for s in cluster.shards)
+        assert all(s.consistency.num_workers == 3 for s in cluster.shards)
         assert all(w.batches.num_workers == 3 for w in workers + joined)
         assert result["accuracy"] >= 0.6  # still learning (chance: 0.1); 240 steps is short of convergence
         rejected = cluster.shards[0].metrics.registry.get_sample_value(

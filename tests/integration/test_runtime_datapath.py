@@ -3,7 +3,6 @@ the PS offers one, and over gRPC when it does not or when told not to; the port 
 the job's token; frames it cannot read are refused, counted, and change nothing.
 Real PS servers and workers in one process, real sockets on 127.0.0.1."""
 import socket
-import time
 
 import grpc
 import numpy as np
@@ -11,13 +10,16 @@ import pytest
 
 from tfps.runtime import wire
 from tfps.runtime.auth import Material, ServerSecurity
-from tfps.runtime.datapath import ENV_DATA_PATH, FRAME, DataConnection, DataPathError
+from tfps.api.naming import ENV_DATA_PATH
+from tfps.runtime.datapath import FRAME, DataConnection, DataPathError
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.metrics import Identity, PSMetrics, WorkerMetrics
 from tfps.runtime.ps import Shard, serve
 from tfps.runtime.sharding import place
-from tfps.runtime.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec
 from tfps.runtime.worker import Worker
+
+from support import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -56,22 +58,13 @@ def test_workers_step_over_the_data_path(cluster):
         assert worker.versions[0] == shard.version
     finally:
         worker.close()
-    assert _eventually(lambda: _sample(shard, "tfps_ps_data_connections") == 0)
-
-
-def _eventually(check, seconds: float = 5.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    wait_for("no data connections", lambda: _sample(shard, "tfps_ps_data_connections") == 0, timeout=5, interval=0.05)
 
 
 def test_a_worker_told_not_to_uses_grpc(cluster, monkeypatch):
     monkeypatch.setenv(ENV_DATA_PATH, "0")
     shard = cluster.shards[0]
-    assert _eventually(lambda: _sample(shard, "tfps_ps_data_connections") == 0)
+    wait_for("no data connections", lambda: _sample(shard, "tfps_ps_data_connections") == 0, timeout=5, interval=0.05)
     version = shard.version
     worker = _train_steps(cluster, 1)
     try:
@@ -143,7 +136,8 @@ def test_a_frame_cut_short_is_counted_and_changes_nothing(cluster):
     message = wire.encode({"worker": 0, "tag": version, "pull": False, "batch": 1}, grads)
     with _hello(cluster.servers[0].data_port) as sock:
         sock.sendall(FRAME.pack(len(message)) + message[: len(message) // 2])
-    assert _eventually(lambda: _sample(shard, "tfps_ps_rejected_requests_total", reason="truncated") == count + 1)
+    wait_for("the truncated frame counted", lambda: _sample(shard, "tfps_ps_rejected_requests_total", reason="truncated") == count + 1,
+             timeout=5, interval=0.05)
     assert shard.version == version
     for name, value in cluster.parameters().items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)

@@ -1,11 +1,10 @@
 """Worker 0 exports the trained model as a SavedModel (spec.training.exportPath) that
 serves the same predictions the evaluation measured."""
-import numpy as np
 import pytest
 import tensorflow as tf
 
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.runtime.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec
 
 pytestmark = pytest.mark.integration
 

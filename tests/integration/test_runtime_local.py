@@ -7,13 +7,14 @@
 import json
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tfps.runtime.local import Fault, LocalRun
-from tfps.runtime.spec import load_manifest
+from tfps.api.spec import load_manifest
+
+from support import sample, scrape
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -39,9 +40,7 @@ def test_digits_example_reaches_95_percent(undisturbed):
 
 
 def _scrape(run, rtype, index) -> str:
-    port = run.replicas[(rtype, index)].metrics_port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        return resp.read().decode()
+    return scrape(run.replicas[(rtype, index)].metrics_port)
 
 
 @pytest.mark.parametrize("victim", ["ps-0", "worker-1"])
@@ -60,10 +59,13 @@ def test_sigkill_mid_run_recovers(undisturbed, victim, tmp_path):
     assert any(e.startswith(f"restarting {victim}") for e in result["events"]), result["events"]
     assert result["steps"] == job.spec.training.steps
     assert abs(result["accuracy"] - undisturbed["accuracy"]) <= 0.01
-    # every pod serves its metrics with the job's labels; the operator reads PS 0's progress
-    for name in ("tfps_ps_global_step", "tfps_ps_loss", "tfps_ps_examples_total", "tfps_ps_received_bytes_total"):
-        assert f'{name}{{job="digits",namespace="default",replica_index="0",replica_type="ps"}}' in scraped["ps"]
-    assert 'tfps_worker_steps_total{job="digits"' in scraped["worker"]
+    # every pod serves its metrics with the job's labels, and they count what happened by step 50
+    ps0 = {"job": "digits", "namespace": "default", "replica_type": "ps", "replica_index": "0"}
+    assert sample(scraped["ps"], "tfps_ps_global_step", **ps0) >= 50
+    assert sample(scraped["ps"], "tfps_ps_examples_total", **ps0) > 0
+    assert sample(scraped["ps"], "tfps_ps_received_bytes_total", **ps0) > 0
+    assert 0 < sample(scraped["ps"], "tfps_ps_loss", **ps0) < 10
+    assert sample(scraped["worker"], "tfps_worker_steps_total", job="digits", replica_type="worker", replica_index="0") > 0
     if victim.startswith("ps"):
         log = (tmp_path / f"{victim}.log").read_text()
         restored = [json.loads(line) for line in log.splitlines() if '"event": "restored"' in line]

@@ -12,7 +12,7 @@ import pytest
 from tfps.runtime import wire
 from tfps.runtime.datapath import DataConnection
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.runtime.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def cluster():
 
 def _step(cluster, data: bytes) -> bytes:
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
-        return channel.unary_unary(f"/{wire.SERVICE}/Step")(data, timeout=10)
+        return channel.unary_unary(wire.method_path("Step"))(data, timeout=10)
 
 
 def _data_step(cluster, data: bytes) -> bytes:
@@ -196,9 +196,9 @@ def test_oversize_message_is_refused(cluster, reason, streamed, data):
     with grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel:
         with pytest.raises(grpc.RpcError) as err:
             if streamed:
-                wire.join(channel.stream_stream(f"/{wire.SERVICE}/StepStream")(wire.iter_chunks(data), timeout=60))
+                wire.join(channel.stream_stream(wire.method_path("StepStream"))(wire.iter_chunks(data), timeout=60))
             else:
-                channel.unary_unary(f"/{wire.SERVICE}/Step")(data, timeout=10)
+                channel.unary_unary(wire.method_path("Step"))(data, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason in err.value.details()
     assert _rejected(cluster, reason) == count + 1
@@ -218,7 +218,7 @@ def test_flood_of_bad_pushes_is_refused_and_ps_stays_up(cluster, record_property
     sent = 0
     deadline = time.monotonic() + FLOOD_SECONDS
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
-        step = channel.unary_unary(f"/{wire.SERVICE}/Step")
+        step = channel.unary_unary(wire.method_path("Step"))
         while sent < FLOOD_REQUESTS and time.monotonic() < deadline:
             calls = [step.future(bad[(sent + i) % len(bad)], timeout=30) for i in range(min(32, FLOOD_REQUESTS - sent))]
             for call in calls:
@@ -244,7 +244,7 @@ def test_stream_over_the_size_limit_is_refused(cluster):
         chunks = (b"\0" * (1 << 20) for _ in range(12))
         with grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel:
             with pytest.raises(grpc.RpcError) as err:
-                wire.join(channel.stream_stream(f"/{wire.SERVICE}/StepStream")(chunks, timeout=30))
+                wire.join(channel.stream_stream(wire.method_path("StepStream"))(chunks, timeout=30))
     finally:
         shard.max_request_bytes = limit
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -5,7 +5,7 @@ import pytest
 
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.models import BatchSource
-from tfps.runtime.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec
 
 pytestmark = pytest.mark.integration
 

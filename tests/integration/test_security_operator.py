@@ -16,7 +16,8 @@ import base64
 import json
 
 import pytest
-from conftest import job_manifest, wait_for
+from conftest import job_manifest
+from support import wait_for
 from kubernetes.client.rest import ApiException
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

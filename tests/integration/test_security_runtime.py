@@ -14,8 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -23,11 +21,14 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tfps.api.naming import ENV_AUTH_TOKEN_FILE
+from tfps.api.spec import TrainingJob, TrainingSpec
 from tfps.runtime import auth, pki, wire
 from tfps.runtime.auth import ClientSecurity, Material
 from tfps.runtime.client import CLIENT_OPTIONS, ShardClient
 from tfps.runtime.local import LocalRun, free_port
-from tfps.runtime.spec import TrainingJob, TrainingSpec
+
+from support import sample, scrape, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -41,7 +42,7 @@ class PSProcess:
     def __init__(self, tmp: Path, tls: bool):
         self.tls = tls
         self.material = pki.issue("sec.local", ["localhost"], ["127.0.0.1"]) if tls else None
-        self.token_file = auth.write_material(tmp / "auth", auth.new_token(), self.material)
+        self.token_file = auth.write_material(tmp / "auth", pki.new_token(), self.material)
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         training = {**TRAINING, "tls": tls, "checkpoint": {"path": str(tmp / "ckpt")}}
@@ -49,12 +50,12 @@ class PSProcess:
                                                       "task": {"type": "ps", "index": 0}}),
                "TFPS_JOB_NAME": "sec", "TFPS_NAMESPACE": "default", "TFPS_TRAINING": json.dumps(training),
                "TFPS_BIND_ADDRESS": "127.0.0.1", "TFPS_METRICS_PORT": str(self.metrics_port),
-               auth.ENV_AUTH_TOKEN_FILE: str(self.token_file), "TF_CPP_MIN_LOG_LEVEL": "2"}
+               ENV_AUTH_TOKEN_FILE: str(self.token_file), "TF_CPP_MIN_LOG_LEVEL": "2"}
         self.log = tmp / "ps.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "tfps.cli.main", "ps"], env=env,
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.own = ClientSecurity.from_env(tls, {auth.ENV_AUTH_TOKEN_FILE: str(self.token_file)})
+        self.own = ClientSecurity.from_env(tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
         self._wait_serving()
 
     def _health_channel(self) -> grpc.Channel:
@@ -63,28 +64,22 @@ class PSProcess:
         return grpc.insecure_channel(self.address)
 
     def _wait_serving(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def serving() -> bool:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
             with self._health_channel() as channel:  # no token: probes must get through
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
                 except grpc.RpcError:
-                    pass
-            time.sleep(0.3)
-        raise AssertionError(f"PS not serving: {self.log.read_text()[-3000:]}")
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        wait_for("the PS serving", serving, timeout=timeout, interval=0.3)
 
     def client(self, security: ClientSecurity | None) -> ShardClient:
         return ShardClient(self.address, 0, retry_seconds=0, security=security)
 
     def rejected(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-        lines = [ln for ln in text.splitlines()
-                 if ln.startswith("tfps_ps_rejected_requests_total{") and 'reason="unauthenticated"' in ln]
-        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+        return sample(scrape(self.metrics_port), "tfps_ps_rejected_requests_total", reason="unauthenticated") or 0.0
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -112,7 +107,7 @@ def tls_ps(tmp_path_factory):
 def _other_job(tmp: Path, tls: bool) -> ClientSecurity:
     """What a pod of another job holds: its own token (and its own job's CA)."""
     material = pki.issue("other.local", ["localhost"], ["127.0.0.1"]) if tls else None
-    return ClientSecurity.from_env(tls, {auth.ENV_AUTH_TOKEN_FILE: str(auth.write_material(tmp, auth.new_token(), material))})
+    return ClientSecurity.from_env(tls, {ENV_AUTH_TOKEN_FILE: str(auth.write_material(tmp, pki.new_token(), material))})
 
 
 def _push(client: ShardClient, version: int, grads: dict) -> wire.Message:
@@ -188,7 +183,7 @@ def test_tls_refuses_plaintext_and_other_cas(tls_ps, tmp_path):
             client.close()
     before = tls_ps.rejected()
     with pytest.raises(grpc.RpcError) as err:
-        no_token.unary_unary(f"/{wire.SERVICE}/Status")(b"", timeout=5)
+        no_token.unary_unary(wire.method_path("Status"))(b"", timeout=5)
     no_token.close()
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert tls_ps.rejected() == before + 1

@@ -5,7 +5,7 @@ import pytest
 
 from tfps.bench import goodput, main, mlp, procs, tfps_side
 from tfps.runtime.models import load_model
-from tfps.runtime.spec import ConsistencyMode, OptimizerName, TrainingJob
+from tfps.api.spec import ConsistencyMode, OptimizerName, TrainingJob
 
 
 def test_shapes_are_issue_3s():

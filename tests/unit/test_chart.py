@@ -6,7 +6,6 @@ not been built yet (`hack/build-cluster.sh`) or promtool is not installed.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from support import hack_module
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "tfps"
@@ -347,7 +348,7 @@ def test_pod_monitor_selects_job_pods_by_label_and_port():
     assert endpoint["port"] == "metrics"
     assert endpoint["honorLabels"] is True
     # The operator names the container port `metrics` and labels pods as selected here.
-    from tfps.operator import naming
+    from tfps.api import naming
     assert naming.METRICS_PORT_NAME == endpoint["port"]
     assert naming.LABEL_JOB == pm["jobLabel"]
 
@@ -359,10 +360,7 @@ def test_podmonitor_becomes_a_valid_prometheus_scrape_config(tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool not installed: run hack/install-system-deps.sh")
-    spec = importlib.util.spec_from_file_location("tfps_hack_prometheus_unit", REPO / "hack" / "prometheus.py")
-    prom = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = prom  # its dataclasses look their module up there
-    spec.loader.exec_module(prom)
+    prom = hack_module("prometheus")
     pm = one(render("monitoring.podMonitor.enabled=true"), "PodMonitor")
     target = prom.PodTarget("ml", "digits-ps-0", "127.0.0.1:9090", {"tfps.io/job-name": "digits"})
     scrape = prom.podmonitor_scrape_config(pm, static_targets=[target])
@@ -451,10 +449,7 @@ def test_alerts_fire_on_the_series_they_watch():
 
 
 def _sync_crd():
-    spec = importlib.util.spec_from_file_location("tfps_hack_sync_crd", REPO / "hack" / "sync-crd.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return hack_module("sync-crd")
 
 
 def test_chart_crd_copies_are_current():
@@ -511,9 +506,10 @@ def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_image_is_pinned_non_root_and_runs_tfps(dockerfile):
     ins = _instructions(dockerfile)
+    args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)  # a base given as ARG BASE=<default>
     for kind, arg in ins:
         if kind == "FROM":
-            image = arg.split()[0]
+            image = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), arg.split()[0])
             assert re.search(r":\d+\.\d+\.\d+", image) or "@sha256:" in image, f"base image not pinned: {image}"
         if kind == "RUN" and "pip install" in arg:
             assert "--no-cache-dir" in arg

@@ -2,7 +2,6 @@
 and how test sessions share one cluster."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "tfps_hack_cluster_unit", Path(__file__).resolve().parents[2] / "hack" / "cluster.py")
-hc = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = hc
-_spec.loader.exec_module(hc)
+from support import hack_module
+
+hc = hack_module("cluster")
 
 
 def openssl_text(cert: Path) -> str:

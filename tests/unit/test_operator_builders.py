@@ -5,10 +5,11 @@ import json
 
 import yaml
 
-from tfps.operator import builders, naming
+from tfps.api import naming
+from tfps.operator import builders
 from tfps.operator.config import OperatorConfig
 from tfps.operator.render import render
-from tfps.runtime.spec import ReplicaType, TrainingJob
+from tfps.api.spec import ReplicaType, TrainingJob
 
 
 def _job(replica_specs=None, training=True, **spec) -> TrainingJob:

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from pydantic import BaseModel
 
-from tfps.operator import naming
-from tfps.runtime import spec as spec_types
+from tfps.api import naming
+from tfps.api import spec as spec_types
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "trainingjob.yaml"
 
@@ -117,7 +116,7 @@ def test_name_rules_match_naming(schema):
     name = _schema_at(schema, "metadata", "name")
     assert name["maxLength"] == naming.MAX_JOB_NAME_LENGTH and name["pattern"] == naming.JOB_NAME_PATTERN
     longest = "a" * naming.MAX_JOB_NAME_LENGTH
-    assert len(naming.child_pod_name(longest, spec_types.ReplicaType.EVALUATOR, naming.MAX_REPLICAS - 1)) == 63
+    assert len(naming.pod_name(longest, spec_types.ReplicaType.EVALUATOR, naming.MAX_REPLICAS - 1)) == 63
 
 
 def test_subresources_and_printer_columns(schema, version):
@@ -128,7 +127,7 @@ def test_subresources_and_printer_columns(schema, version):
     assert "status" in version["subresources"]
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert {"Phase", "PS", "Workers", "Step", "Loss", "Age"} <= set(columns)
-    for name, path in columns.items():
+    for path in columns.values():
         if path.startswith(".status"):
             _schema_at(schema, *re.sub(r"^\.", "", path).split("."))
 
@@ -144,3 +143,21 @@ def test_top_level_spec_defaults(schema):
     assert spec_node["properties"]["successPolicy"]["default"] == field.default.value
     assert spec_node["properties"]["runPolicy"]["default"] == {}
     assert "default" not in spec_node["properties"]["training"]  # absent = the user's own program
+
+
+def test_model_is_checked_at_admission_like_the_api_checks_it(schema):
+    """The CRD's rule for spec.training.model names the built-ins tfps.api.spec declares (and the
+    runtime builds), and the same function pattern; its message lists the built-ins."""
+    from tfps.runtime.models import BUILTIN
+
+    assert tuple(BUILTIN) == spec_types.BUILT_IN_MODELS
+    (rule,) = _schema_at(schema, "spec", "training", "model")["x-kubernetes-validations"]
+    listed = re.search(r"self in \[(.*?)\]", rule["rule"]).group(1)
+    assert tuple(re.findall(r"'([^']+)'", listed)) == spec_types.BUILT_IN_MODELS
+    assert f"self.matches('{spec_types.MODEL_FUNCTION_PATTERN}')" in rule["rule"]
+    assert ", ".join(spec_types.BUILT_IN_MODELS) in rule["message"]
+    for good in (*spec_types.BUILT_IN_MODELS, "my_models.vision:resnet", "m:f"):
+        assert spec_types.TrainingSpec(model=good).model == good
+    for bad in ("resnet9000", "my-models:f", "pkg.mod:", ":f", "a:b:c"):
+        with pytest.raises(ValueError, match="digits-mlp, mlp, wide-deep"):
+            spec_types.TrainingSpec(model=bad)

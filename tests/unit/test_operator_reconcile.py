@@ -7,7 +7,7 @@ import pytest
 
 from tfps.operator import builders, reconcile
 from tfps.operator.config import OperatorConfig
-from tfps.runtime.spec import ReplicaType, TrainingJob
+from tfps.api.spec import ReplicaType, TrainingJob
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 PS, WORKER, CHIEF = ReplicaType.PS, ReplicaType.WORKER, ReplicaType.CHIEF

@@ -1,18 +1,16 @@
 """hack/reliability.py: what the report makes of the records a session leaves."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from support import hack_module
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("reliability_under_test", REPO / "hack" / "reliability.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return hack_module("reliability")
 
 
 VALIDATION = "tests/integration/test_operator_validation.py::test_invalid_manifest_is_rejected_naming_the_field"

@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 from tfps.runtime.optimizers import ShardOptimizer
-from tfps.runtime.spec import OptimizerSpec
+from tfps.api.spec import OptimizerSpec
 
 RNG = np.random.default_rng(0)
 W0 = RNG.normal(size=(6, 3)).astype(np.float32)

@@ -7,7 +7,7 @@ import pytest
 
 from tfps.runtime.local import Fault, LocalRun
 from tfps.runtime.process import ProcessConfig, cgroup_cpus
-from tfps.runtime.spec import TrainingJob
+from tfps.api.spec import TrainingJob
 
 
 def _env(**extra):
@@ -126,3 +126,16 @@ def test_fault_syntax():
     assert (Fault.parse("ps-1@300").replica, Fault.parse("ps-1@300").step) == ("ps-1", 300)
     with pytest.raises(ValueError):
         Fault.parse("ps1")
+
+
+def test_settings_name_the_variables_api_naming_spells():
+    """Every TFPS_* knob is read through one pydantic-settings model, under the names that
+    tfps.api.naming declares (the operator writes those names into pods)."""
+    from tfps.api import naming
+    from tfps.api.settings import ProcessSettings
+
+    aliases = {f.validation_alias.choices[0] for f in ProcessSettings.model_fields.values()}
+    declared = {v for k, v in vars(naming).items() if k.startswith("ENV_") and k != "ENV_OPERATOR_CONFIG"}
+    assert aliases == declared
+    s = ProcessSettings.from_env({"TFPS_PIPELINE": "0", "TFPS_DATA_PORT": "off", "TFPS_PS_RETRY_SECONDS": "7"})
+    assert (s.pipeline, s.data_port_number, s.ps_retry_seconds, s.data_path) == (False, None, 7.0, True)

@@ -14,11 +14,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tfps.operator import builders, naming, security
+from tfps.api import naming
+from tfps.operator import builders, security
 from tfps.operator.config import OperatorConfig
-from tfps.runtime import auth, pki
-from tfps.runtime.spec import ReplicaType, TrainingJob
-from tfps.runtime.tfconfig import dns_name
+from tfps.runtime import pki
+from tfps.api.spec import ReplicaType, TrainingJob
+from tfps.api.naming import dns_name
 
 
 def _job(name="digits", namespace="team-a", uid="1234", template=None, training=True) -> TrainingJob:
@@ -44,20 +45,20 @@ def test_auth_secret_is_owned_immutable_and_holds_token_and_tls():
     (owner,) = meta["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("TrainingJob", "digits", "1234", True)
     files = _secret_files(secret)
-    assert set(files) == {auth.TOKEN_KEY, auth.CA_KEY, auth.CERT_KEY, auth.KEY_KEY}
-    assert len(files[auth.TOKEN_KEY]) >= 32
+    assert set(files) == {naming.TOKEN_KEY, naming.CA_KEY, naming.CERT_KEY, naming.KEY_KEY}
+    assert len(files[naming.TOKEN_KEY]) >= 32
 
 
 def test_each_job_gets_its_own_random_token_and_ca():
     a, b = _secret_files(security.new_auth_secret(_job("a"))), _secret_files(security.new_auth_secret(_job("a")))
-    assert a[auth.TOKEN_KEY] != b[auth.TOKEN_KEY]
-    assert a[auth.CA_KEY] != b[auth.CA_KEY]
+    assert a[naming.TOKEN_KEY] != b[naming.TOKEN_KEY]
+    assert a[naming.CA_KEY] != b[naming.CA_KEY]
 
 
 def test_job_certificate_names_every_pod_and_is_signed_by_the_job_ca():
     files = _secret_files(security.new_auth_secret(_job()))
-    ca = x509.load_pem_x509_certificate(files[auth.CA_KEY])
-    cert = x509.load_pem_x509_certificate(files[auth.CERT_KEY])
+    ca = x509.load_pem_x509_certificate(files[naming.CA_KEY])
+    cert = x509.load_pem_x509_certificate(files[naming.CERT_KEY])
     cert.verify_directly_issued_by(ca)
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is True
     assert cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca is False
@@ -70,7 +71,7 @@ def test_job_certificate_names_every_pod_and_is_signed_by_the_job_ca():
     assert ExtendedKeyUsageOID.SERVER_AUTH in usages
     now = datetime.datetime.now(datetime.timezone.utc)
     assert cert.not_valid_before_utc < now < cert.not_valid_after_utc
-    key = serialization.load_pem_private_key(files[auth.KEY_KEY], None)
+    key = serialization.load_pem_private_key(files[naming.KEY_KEY], None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
     assert key.public_key().public_numbers() == cert.public_key().public_numbers()
 
@@ -124,7 +125,7 @@ def test_every_pod_mounts_the_job_secret_and_names_the_token_file(training):
         (mount,) = [m for m in c["volumeMounts"] if m["name"] == security.AUTH_VOLUME]
         assert mount == {"name": security.AUTH_VOLUME, "mountPath": "/var/run/tfps/auth", "readOnly": True}
         env = {e["name"]: e.get("value") for e in c["env"]}
-        assert env[auth.ENV_AUTH_TOKEN_FILE] == "/var/run/tfps/auth/token"
+        assert env[naming.ENV_AUTH_TOKEN_FILE] == "/var/run/tfps/auth/token"
         assert spec["automountServiceAccountToken"] is False
 
 

@@ -4,8 +4,9 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from tfps.runtime.spec import ReplicaType, TrainingJob, TrainingJobSpec
-from tfps.runtime.tfconfig import ClusterConfig, pod_name, tf_config
+from tfps.api.spec import ReplicaType, TrainingJob, TrainingJobSpec
+from tfps.api.naming import pod_name
+from tfps.api.tfconfig import ClusterConfig, tf_config
 
 
 def _spec(**training):

@@ -1,8 +1,5 @@
-"""Pod names, DNS names and TF_CONFIG (TFJob's shape), defined once.
-
-`<job>-<type>-<i>` is each pod's name and hostname; with `subdomain: <job>` and the job's
-headless Service its DNS name is `<job>-<type>-<i>.<job>.<ns>.svc`.
-"""
+"""TF_CONFIG (TFJob's shape): written for every replica by the operator and `tfps local`,
+read back by the PS and worker processes. Custom TF programs read the same variable."""
 from __future__ import annotations
 
 import json
@@ -10,29 +7,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+from .naming import ENV_TF_CONFIG, GRPC_PORT, dns_name
 from .spec import ReplicaType, TrainingJobSpec
 
-GRPC_PORT = 2222
-DATA_PORT = 2223  # a PS's data path (runtime/datapath.py)
-METRICS_PORT = 9090
 # Evaluators do not take part in training, so (as in TFJob) they are not in `cluster`.
 CLUSTER_TYPES = (ReplicaType.CHIEF, ReplicaType.PS, ReplicaType.WORKER)
-
-ENV_TF_CONFIG = "TF_CONFIG"
-ENV_JOB_NAME = "TFPS_JOB_NAME"
-ENV_NAMESPACE = "TFPS_NAMESPACE"
-ENV_TRAINING = "TFPS_TRAINING"  # JSON of spec.training (manifest field names)
-ENV_BIND_ADDRESS = "TFPS_BIND_ADDRESS"  # the pod IP, from the downward API
-ENV_METRICS_PORT = "TFPS_METRICS_PORT"
-ENV_DATA_PORT = "TFPS_DATA_PORT"  # PS: the data path's port; 0 or unset: any free port; "off": none
-
-
-def pod_name(job: str, rtype: ReplicaType, index: int) -> str:
-    return f"{job}-{rtype.task_type}-{index}"
-
-
-def dns_name(job: str, namespace: str, rtype: ReplicaType, index: int) -> str:
-    return f"{pod_name(job, rtype, index)}.{job}.{namespace}.svc"
 
 
 def cluster_spec(

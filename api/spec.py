@@ -6,18 +6,22 @@ manifest's (camelCase) through aliases; Python code uses snake_case.
 """
 from __future__ import annotations
 
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "tfps.io"
 API_VERSION = "v1alpha1"
 KIND = "TrainingJob"
 PLURAL = "trainingjobs"
+# spec.training.model: one of these (runtime/models.py builds them) or `package.module:function`.
+BUILT_IN_MODELS = ("digits-mlp", "mlp", "wide-deep")
+MODEL_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class _Model(BaseModel):
@@ -102,7 +106,7 @@ class CheckpointSpec(_Model):
 
 
 class TrainingSpec(_Model):
-    model: str = "digits-mlp"
+    model: str = "digits-mlp"  # BUILT_IN_MODELS or `package.module:function`, checked at admission too
     model_args: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
@@ -113,6 +117,13 @@ class TrainingSpec(_Model):
     export_path: str | None = None  # SavedModel of the final parameters, written on success
     tls: bool = False  # workers reach the PS over TLS with the job's certificate (runtime/auth.py)
     wire_dtype: WireDtype = WireDtype.FLOAT32  # dense tensors on the wire; the PS keeps float32
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, model: str) -> str:
+        if model not in BUILT_IN_MODELS and not re.match(MODEL_FUNCTION_PATTERN, model):
+            raise ValueError(f"must be a built-in model ({', '.join(BUILT_IN_MODELS)}) or package.module:function")
+        return model
 
 
 class RunPolicy(_Model):

@@ -1,0 +1,147 @@
+"""A PS shard's consistency bookkeeping (spec.training.consistency.mode), without TensorFlow
+or gRPC: which workers are live, each worker's clock, the sync step's accumulators, and when a
+worker may get parameters back. runtime/ps.py applies what this decides.
+
+- sync: gradients tagged with the current version are summed; the step closes when every
+  live worker has pushed, and the mean is applied once. A push for another version is stale.
+- async: each push is applied on arrival, once (`seq` recognises a retried push).
+- bounded: async, and a worker more than `staleness` pushes ahead of the slowest live
+  worker waits before it gets parameters back.
+A worker is live when it made a call within `worker_timeout` seconds; a worker never seen
+counts as live for `startup_grace` seconds after the PS started.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tfps.api.spec import ConsistencyMode
+
+from . import wire
+
+Sparse = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass
+class Update:
+    """What to apply as one optimizer step."""
+
+    dense: dict[str, np.ndarray]
+    sparse: Sparse
+    examples: int
+    loss: float | None
+    staleness: int = 0
+
+
+@dataclass
+class Push:
+    worker: int
+    tag: int  # the version the gradients were computed on
+    batch: int
+    loss: float | None
+    seq: int | None = None  # async/bounded: this worker's pushes the shard had applied when it sent this one
+    dense: dict[str, np.ndarray] = field(default_factory=dict)
+    sparse: Sparse = field(default_factory=dict)
+
+
+class Consistency:
+    def __init__(self, mode: ConsistencyMode, staleness: int, num_workers: int,
+                 worker_timeout: float = 10.0, startup_grace: float = 120.0):
+        self.mode, self.bound = mode, staleness
+        self.num_workers = num_workers
+        self.worker_timeout, self.startup_grace = worker_timeout, startup_grace
+        self.started = time.monotonic()
+        self.clocks = [0] * num_workers
+        self.last_seen: list[float | None] = [None] * num_workers
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty the sync step's accumulators."""
+        self.pushed: set[int] = set()
+        self._acc: dict[str, np.ndarray] = {}
+        self._sparse_acc: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        self._acc_loss: list[float] = []
+        self._acc_examples = 0
+
+    # ---- workers ----
+    def seen(self, worker: int) -> None:
+        self.grow(worker + 1)
+        self.last_seen[worker] = time.monotonic()
+
+    def grow(self, num_workers: int) -> None:
+        """Make room for workers added by a live scale-up (their TF_CONFIG is newer than ours)."""
+        extra = num_workers - self.num_workers
+        if extra > 0:
+            self.clocks += [0] * extra
+            self.last_seen += [None] * extra
+            self.num_workers = num_workers
+
+    def live_workers(self) -> list[int]:
+        now = time.monotonic()
+        live = []
+        for w, seen in enumerate(self.last_seen):
+            if seen is None:
+                if now - self.started < self.startup_grace:
+                    live.append(w)
+            elif now - seen < self.worker_timeout:
+                live.append(w)
+        return live
+
+    def split_size(self) -> int:
+        """How many slices the workers cut each global batch into: up to the highest live
+        worker (so a scale-down stops leaving slices unread once the removed workers are gone)."""
+        live = self.live_workers()
+        return max(live) + 1 if live else self.num_workers
+
+    # ---- pushes ----
+    def push_sync(self, push: Push, version: int) -> bool:
+        """Accumulate a sync push; False when it is stale (computed on another version)."""
+        if push.tag != version:
+            return False
+        if push.worker in self.pushed:
+            return True  # a retried push of this step; counted once
+        for name, grad in push.dense.items():
+            acc = self._acc.get(name)
+            if acc is None:
+                acc = self._acc[name] = wire.aligned_empty(grad.size * 4).view(np.float32).reshape(grad.shape)
+                acc[...] = grad
+            else:
+                np.add(acc, grad, out=acc)
+        for name, (idx, values) in push.sparse.items():
+            self._sparse_acc.setdefault(name, []).append((idx.copy(), values.copy()))
+        self.pushed.add(push.worker)
+        self._acc_examples += push.batch
+        if push.loss is not None:
+            self._acc_loss.append(push.loss)
+        return True
+
+    def close_sync(self) -> Update | None:
+        """The sync step's mean, once every live worker has pushed; None before."""
+        if not self.pushed or not set(self.live_workers()) <= self.pushed:
+            return None
+        scale = np.float32(1.0 / len(self.pushed))
+        dense = {k: np.multiply(v, scale, out=v) for k, v in self._acc.items()}
+        sparse = {name: (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]) * scale)
+                  for name, pieces in self._sparse_acc.items()}
+        update = Update(dense, sparse, self._acc_examples, float(np.mean(self._acc_loss)) if self._acc_loss else None)
+        self.reset()
+        return update
+
+    def push_async(self, push: Push, version: int) -> Update | None:
+        """The update an async push makes; None for a retry of a push already applied."""
+        if push.seq is not None and push.seq < self.clocks[push.worker]:
+            return None
+        self.clocks[push.worker] += 1
+        staleness = version - push.tag if push.tag >= 0 else 0
+        return Update(push.dense, push.sparse, push.batch, push.loss, max(0, staleness))
+
+    def ready(self, worker: int, version: int, target: int) -> bool:
+        """Whether `worker` may get parameters back now (it asked for `target` or later)."""
+        if self.mode is ConsistencyMode.SYNC:
+            return version >= target
+        if self.mode is ConsistencyMode.BOUNDED:
+            live = self.live_workers() or [worker]
+            return self.clocks[worker] - min(self.clocks[w] for w in live) <= self.bound
+        return True
