@@ -7,30 +7,24 @@ ends (set TFPS_KEEP_CLUSTER=1 to keep it for the next run).
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from support import hack_module, wait_for
+
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "hack" / "cluster.sh"
 
 
-@functools.cache
 def _hack_cluster():
-    spec = importlib.util.spec_from_file_location("tfps_hack_cluster", REPO / "hack" / "cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return hack_module("cluster")
 
 
 class CommandFailed(subprocess.CalledProcessError):
@@ -66,21 +60,46 @@ class Cluster:
         from kubernetes.client.rest import ApiException
 
         core = client.CoreV1Api(self.api)
-        deadline = time.monotonic() + timeout
-        pod = None
-        while time.monotonic() < deadline:
+        last = []
+
+        def reached():
             try:
                 pod = core.read_namespaced_pod(name, namespace)
             except ApiException as e:
                 if e.status != 404:
                     raise
                 pod = None
-            if until(pod):
-                return pod
-            time.sleep(0.25)
-        raise AssertionError(f"pod {namespace}/{name}: no {what} within {timeout}s; last: "
-                             f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}"
-                             f"\nkubelet ({self.state_dir / 'logs' / 'kubelet.log'}):\n{self.kubelet_log_tail()}")
+            last[:] = [pod]
+            return pod if until(pod) else None
+
+        try:
+            return wait_for(f"pod {namespace}/{name}: {what}", reached, timeout=timeout, interval=0.25)
+        except AssertionError:
+            pod = last[0] if last else None
+            raise AssertionError(f"pod {namespace}/{name}: no {what} within {timeout}s; last: "
+                                 f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}"
+                                 f"\nkubelet ({self.state_dir / 'logs' / 'kubelet.log'}):\n{self.kubelet_log_tail()}") from None
+
+    def create_namespace(self, name: str) -> str:
+        """A namespace for tests, once its default ServiceAccount exists (pods are refused before)."""
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.api)
+        core.create_namespace({"metadata": {"name": name, "labels": {"tfps.io/test": "true"}}})
+        wait_for(f"namespace {name}'s default ServiceAccount", lambda: core.list_namespaced_service_account(
+            name, field_selector="metadata.name=default").items, timeout=60)
+        return name
+
+    def delete_namespace(self, name: str) -> None:
+        """Deleted without waiting."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+
+        try:
+            client.CoreV1Api(self.api).delete_namespace(name)
+        except ApiException as e:
+            if e.status != 404:
+                raise
 
     def container_pid(self, pod, container: str = "") -> int:
         """The host pid of a pod's container (its first one unless named), from containerd."""
@@ -159,39 +178,14 @@ def _namespace_name(test_name: str) -> str:
 def namespace(cluster, request):
     """A fresh namespace named after the test, with its default ServiceAccount in place (pods are
     refused until the controller-manager creates it). Deleted afterwards without waiting."""
-    from kubernetes import client
-    from kubernetes.client.rest import ApiException
-
-    core = client.CoreV1Api(cluster.api)
-    name = _namespace_name(request.node.name)
-    core.create_namespace({"metadata": {"name": name, "labels": {"tfps.io/test": "true"}}})
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            core.read_namespaced_service_account("default", name)
-            break
-        except ApiException as e:
-            if e.status != 404 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    name = cluster.create_namespace(_namespace_name(request.node.name))
     yield name
-    try:
-        core.delete_namespace(name)
-    except ApiException as e:
-        if e.status != 404:
-            raise
+    cluster.delete_namespace(name)
 
 
 # --- the reliability report (hack/reliability.py): figures the fault and bad-input tests leave ---
 
-def _reliability():
-    spec = importlib.util.spec_from_file_location("tfps_hack_reliability", REPO / "hack" / "reliability.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_RELIABILITY = _reliability()
+_RELIABILITY = hack_module("reliability")
 _reliability_records: list[dict] = []
 
 

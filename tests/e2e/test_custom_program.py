@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import textwrap
-import time
 
 import pytest
 from kubernetes import client
 
+from support import wait_for
 from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -76,13 +76,11 @@ def test_parameter_server_strategy_program_trains_to_succeeded(cluster, namespac
     custom = client.CustomObjectsApi(cluster.api)
     custom.create_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, body)
 
-    deadline = time.monotonic() + 480
-    status: dict = {}
-    while time.monotonic() < deadline:
-        status = custom.get_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, "pss").get("status") or {}
-        if status.get("phase") in ("Succeeded", "Failed"):
-            break
-        time.sleep(1)
+    def finished():
+        got = custom.get_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, "pss").get("status") or {}
+        return got if got.get("phase") in ("Succeeded", "Failed") else None
+
+    status = wait_for("the job to finish", finished, timeout=480, interval=1)
     chief_log = cluster.pod_log(namespace, "pss-chief-0")
     assert status.get("phase") == "Succeeded", (json.dumps(status, indent=1), chief_log[-3000:])
     trained = [json.loads(line) for line in chief_log.splitlines() if line.startswith('{"event": "trained"')]
@@ -94,7 +92,4 @@ def test_parameter_server_strategy_program_trains_to_succeeded(cluster, namespac
         return sorted(p.metadata.name for p in pods if p.metadata.labels.get("tfps.io/replica-type") in ("ps", "worker")
                       and p.status.phase in ("Pending", "Running"))
 
-    deadline = time.monotonic() + 60
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert left() == [], "PS or worker pods outlived the finished job"
+    wait_for("no PS or worker pod left (cleanPodPolicy Running)", lambda: left() == [], timeout=60, interval=0.5)

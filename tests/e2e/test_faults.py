@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from support import wait_for
 from jobrun import JobRun, install_chart, manifest
 from tfps.api.naming import ENV_CRASH_AT
 from tfps.runtime.checkpoint import CRASH_MARKER
@@ -39,25 +40,16 @@ ACCURACY_POINTS = 0.01
 @pytest.fixture(scope="module")
 def stack(cluster):
     """A namespace with the chart installed (operator serving only it), shared by the module's jobs."""
-    core = client.CoreV1Api(cluster.api)
-    ns = f"faults-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": ns, "labels": {"tfps.io/test": "true"}}})
-    deadline = time.monotonic() + 60
-    while not core.list_namespaced_service_account(ns, field_selector="metadata.name=default").items:
-        assert time.monotonic() < deadline, "no default ServiceAccount"
-        time.sleep(0.2)
+    ns = cluster.create_namespace(f"faults-{uuid.uuid4().hex[:6]}")
     try:
         with install_chart(cluster, ns):
             yield ns
             custom = client.CustomObjectsApi(cluster.api)
             custom.delete_collection_namespaced_custom_object("tfps.io", "v1alpha1", ns, "trainingjobs")
-            deadline = time.monotonic() + 60
-            while custom.list_namespaced_custom_object("tfps.io", "v1alpha1", ns, "trainingjobs")["items"]:
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
+            wait_for("the jobs deleted (the operator's finalizer)", lambda: not custom.list_namespaced_custom_object(
+                "tfps.io", "v1alpha1", ns, "trainingjobs")["items"], timeout=60)
     finally:
-        core.delete_namespace(ns)
+        cluster.delete_namespace(ns)
 
 
 def _run(cluster, ns: str, name: str, tmp_path: Path, ps_env: dict | None = None) -> JobRun:
@@ -94,13 +86,12 @@ def _kill_operator(cluster, ns: str) -> None:
     Deployment's pod has restartPolicy Always)."""
     pod = _operator_pod(cluster, ns)
     os.kill(cluster.container_pid(pod), signal.SIGKILL)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+
+    def restarted():
         cs = _operator_pod(cluster, ns).status.container_statuses[0]
-        if cs.restart_count > 0 and cs.state.running:
-            return
-        time.sleep(0.5)
-    raise AssertionError("the operator was not restarted")
+        return cs.restart_count > 0 and cs.state.running
+
+    wait_for("the operator's container restarted by the kubelet", restarted, timeout=90, interval=0.5)
 
 
 def _inject(fault: str, run: JobRun, cluster, ns: str) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import time
 import urllib.request
 import uuid
 
@@ -19,6 +18,7 @@ import pytest
 from kubernetes import client
 
 from jobrun import install_chart
+from support import wait_for
 from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -83,12 +83,7 @@ def node(cluster):
     """A namespace with the chart installed (metrics admitted only from `role: scraper` pods), two
     running jobs (a and b) and two probe pods, one a scraper."""
     core = client.CoreV1Api(cluster.api)
-    ns = f"node-{uuid.uuid4().hex[:6]}"
-    core.create_namespace({"metadata": {"name": ns, "labels": {"tfps.io/test": "true"}}})
-    deadline = time.monotonic() + 60
-    while not core.list_namespaced_service_account(ns, field_selector="metadata.name=default").items:
-        assert time.monotonic() < deadline, "no default ServiceAccount"
-        time.sleep(0.2)
+    ns = cluster.create_namespace(f"node-{uuid.uuid4().hex[:6]}")
     custom = client.CustomObjectsApi(cluster.api)
     try:
         with install_chart(cluster, ns, "runtime.networkPolicy.metricsFrom[0].podSelector.matchLabels.role=scraper"):
@@ -98,13 +93,15 @@ def node(cluster):
             core.create_namespaced_pod(ns, _probe_pod("stranger", {"role": "other"}))
             n = Node(cluster, ns)
             for pod in ("a-ps-0", "a-worker-0", "b-ps-0", "b-worker-0", "scraper", "stranger"):
-                cluster.wait_pod(ns, pod, lambda p: p is not None and p.status.phase == "Running"
-                                 and all(cs.ready for cs in p.status.container_statuses or [False]),
-                                 timeout=240, what="Running and ready")
+                cluster.wait_pod(ns, pod, lambda p: p is not None and p.status.phase == "Running", timeout=240,
+                                 what="Running")
+            for job in ("a", "b"):  # training: the PS serves and its worker's Steps go over the data path
+                wait_for(f"job {job} training", lambda job=job: '"event": "serving"' in cluster.pod_log(ns, f"{job}-ps-0")
+                         and '"event": "data-path"' in cluster.pod_log(ns, f"{job}-worker-0"), timeout=180, interval=1)
             yield n
             custom.delete_collection_namespaced_custom_object(API_GROUP, API_VERSION, ns, PLURAL)
     finally:
-        core.delete_namespace(ns)
+        cluster.delete_namespace(ns)
 
 
 def test_containers_run_non_root_with_a_read_only_root_and_no_capabilities(node):
@@ -132,7 +129,8 @@ def test_the_ps_cpu_limit_is_its_cgroup_quota_and_sizes_tensorflow(node):
     assert seen["cores"] >= 2, "the limit, not the node's cores, must decide"
     threads = [json.loads(line) for line in node.cluster.pod_log(node.ns, "a-ps-0").splitlines()
                if '"event": "threads"' in line]
-    assert threads and threads[0]["threads"] == int(PS_CPU_LIMIT) and threads[0]["source"] == "cgroup", threads
+    assert threads and threads[0]["threads"] == int(PS_CPU_LIMIT) and threads[0]["source"] == "cgroup", (
+        threads, node.cluster.pod_log(node.ns, "a-ps-0")[:3000])
 
 
 def test_network_policy_admits_the_job_and_refuses_other_jobs(node):
@@ -157,10 +155,7 @@ def test_headless_service_has_pod_ips_and_tf_config_names_resolve(node, cluster)
         slices = discovery.list_namespaced_endpoint_slice(node.ns, label_selector="kubernetes.io/service-name=a").items
         return {addr for s in slices for e in s.endpoints or [] for addr in e.addresses}
 
-    deadline = time.monotonic() + 60
-    while slice_ips() != ips and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert slice_ips() == ips
+    wait_for("the EndpointSlices to list both pod IPs", lambda: slice_ips() == ips, timeout=60, interval=0.5)
     endpoints = node.core.read_namespaced_endpoints("a", node.ns)
     assert {a.ip for s in endpoints.subsets or [] for a in s.addresses or []} == ips
 
@@ -186,15 +181,15 @@ def test_kubectl_logs_exec_and_port_forward(node, cluster):
                             "--address", "127.0.0.1"], env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True)
     try:
-        deadline = time.monotonic() + 30
-        body = ""
-        while time.monotonic() < deadline:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+        def scraped():
             try:
-                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-                body = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-                break
+                return opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
             except OSError:
-                time.sleep(0.5)
+                return ""
+
+        body = wait_for("metrics through kubectl port-forward", scraped, timeout=30, interval=0.5)
         assert "tfps_ps_global_step" in body, body[:500]
     finally:
         fwd.terminate()
