@@ -52,10 +52,9 @@ def _runtime_env(job: TrainingJob, rtype: ReplicaType, index: int, config: Opera
     if job.spec.training is not None:
         env.append({"name": naming.ENV_TRAINING,
                     "value": json.dumps(job.spec.training.to_manifest(), separators=(",", ":"), sort_keys=True)})
-    env += [
-        {"name": naming.ENV_BIND_ADDRESS, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": naming.ENV_METRICS_PORT, "value": str(config.ports.metrics)},
-    ]
+    # No bind address: a pod's servers listen on every address of its own network namespace, so
+    # `kubectl port-forward` (which dials localhost inside the pod) and localhost probes reach them.
+    env.append({"name": naming.ENV_METRICS_PORT, "value": str(config.ports.metrics)})
     if rtype is ReplicaType.PS:
         env.append({"name": naming.ENV_DATA_PORT, "value": str(config.ports.data)})
     return env

@@ -29,7 +29,7 @@ def test_creates_service_and_pods_with_exact_tf_config(tfps_operator):
         assert c.name == "tensorflow" and c.args == [rtype if rtype == "ps" else "worker"]
         assert c.image == ("tfps/ps:0.1.0" if rtype == "ps" else "tfps/worker:0.1.0")
         env = {e.name: e for e in c.env}
-        assert env["TFPS_BIND_ADDRESS"].value_from.field_ref.field_path == "status.podIP"
+        assert "TFPS_BIND_ADDRESS" not in env
         if rtype == "ps":  # the data path too
             assert {p.container_port for p in c.ports} == {2222, 2223, 9090} and env["TFPS_DATA_PORT"].value == "2223"
         else:
@@ -87,7 +87,7 @@ PS_PROGRAM = """
 import os, time
 from tfps.runtime.metrics import Identity, PSMetrics
 m = PSMetrics(Identity(os.environ['TFPS_JOB_NAME'], os.environ['TFPS_NAMESPACE'], 'ps', 0))
-m.serve(int(os.environ['TFPS_METRICS_PORT']), addr=os.environ['TFPS_BIND_ADDRESS'])
+m.serve(int(os.environ['TFPS_METRICS_PORT']), addr='0.0.0.0')
 step = 0
 while True:
     step += 10

@@ -55,7 +55,7 @@ def test_runtime_env_args_ports_and_images():
     env = _env(worker)
     assert json.loads(env["TFPS_TRAINING"]) == job.spec.training.to_manifest()
     assert json.loads(env["TFPS_TRAINING"])["optimizer"]["learningRate"] == 0.1
-    assert env["TFPS_BIND_ADDRESS"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "TFPS_BIND_ADDRESS" not in env  # every address of the pod's own namespace, localhost too
     assert (env["TFPS_JOB_NAME"], env["TFPS_NAMESPACE"], env["TFPS_METRICS_PORT"]) == ("digits", "ml", "9090")
     assert {p["containerPort"] for p in c_w["ports"]} == {2222, 9090}
     # the PS also serves its data path, and says where
