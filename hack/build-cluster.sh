@@ -4,16 +4,9 @@
 # Resumable: each finished binary is kept; Go's own build cache makes a restarted build fast.
 # Run it in the background with: hack/build-cluster.sh > build.log 2>&1 &
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-# shellcheck source=versions.env
-source "$here/versions.env"
-cache=${TFPS_CACHE:-$HOME/.cache/tfps}
-mkdir -p "$cache/bin" "$cache/src"
-export CGO_ENABLED=0 GOFLAGS="-buildvcs=false -trimpath" GOTOOLCHAIN=local
-
-step=0; total=9
-progress() { step=$((step + 1)); printf '[build-cluster %d/%d %s] %s\n' "$step" "$total" "$(date +%T)" "$*"; }
-have() { [ -x "$1" ] && { echo "  cached: $1"; return 0; }; return 1; }
+what=build-cluster; total=9
+# shellcheck source=go-build.sh
+source "$(dirname "$0")/go-build.sh"
 
 k8s_dir="$cache/bin/kubernetes-$KUBERNETES_VERSION"
 k8s_src="$cache/src/kubernetes-$KUBERNETES_VERSION"

@@ -5,16 +5,9 @@
 # Resumable: each finished binary is kept; partial outputs are written as *.partial and renamed.
 # Run it in the background with: hack/build-node.sh > build-node.log 2>&1 &
 set -euo pipefail
-here=$(cd "$(dirname "$0")" && pwd)
-# shellcheck source=versions.env
-source "$here/versions.env"
-cache=${TFPS_CACHE:-$HOME/.cache/tfps}
-mkdir -p "$cache/bin" "$cache/src"
-export CGO_ENABLED=0 GOFLAGS="-buildvcs=false -trimpath" GOTOOLCHAIN=local
-
-step=0; total=3
-progress() { step=$((step + 1)); printf '[build-node %d/%d %s] %s\n' "$step" "$total" "$(date +%T)" "$*"; }
-have() { [ -x "$1" ] && { echo "  cached: $1"; return 0; }; return 1; }
+what=build-node; total=3
+# shellcheck source=go-build.sh
+source "$(dirname "$0")/go-build.sh"
 # The folder of a module's source in the module cache (read-only there), downloading it if needed.
 module_dir() { go mod download -json "$1" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])'; }
 build_date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
