@@ -125,6 +125,11 @@ class JobRun:
         self.watch = Watch()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch_loop, name=f"watch-{self.name}", daemon=True)
+        # What the watcher read of each container run, as a log shipper would keep it: a pod's log
+        # goes with the pod (cleanPodPolicy, kubectl delete), and the test still reads it.
+        # (pod name, pod uid, restart count) -> output
+        self._logs: dict[tuple[str, str, int], str] = {}
+        self._logs_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "JobRun":
@@ -149,6 +154,8 @@ class JobRun:
                                                  _request_timeout=5).items
         except Exception:  # the apiserver may be down on purpose
             return
+        if self.watch.polls % 3 == 0:
+            self._ship_logs(pods)
         live = [p for p in pods if p.status.phase not in ("Succeeded", "Failed")]
         keys = Counter((p.metadata.labels.get(LABEL_TYPE), p.metadata.labels.get(LABEL_INDEX)) for p in live)
         for key, n in keys.items():
@@ -220,9 +227,34 @@ class JobRun:
                 return json.loads(term.message)
         raise AssertionError(f"worker 0 left no termination message: {pod.status}")
 
+    def _ship_logs(self, pods) -> None:
+        for pod in pods:
+            cs = next((c for c in pod.status.container_statuses or [] if c.name == "tensorflow"), None)
+            if cs is None:
+                continue
+            name, uid, runs = pod.metadata.name, pod.metadata.uid, cs.restart_count
+            reads = [(runs, False)]
+            if runs and (name, uid, runs) not in self._logs:  # a restart since the last read: finish the old run's
+                reads.append((runs - 1, True))
+            for run, previous in reads:
+                try:
+                    text = self.core.read_namespaced_pod_log(name, self.namespace, container="tensorflow",
+                                                            previous=previous, _request_timeout=5)
+                except Exception:  # not started yet, gone, or the apiserver down on purpose
+                    continue
+                with self._logs_lock:
+                    if len(text) >= len(self._logs.get((name, uid, run), "")):
+                        self._logs[(name, uid, run)] = text
+
     def log(self, rtype: str, index: int) -> str:
-        """The pod's container output (`kubectl logs`, the previous run's first after a restart)."""
-        return self.cluster.pod_log(self.namespace, f"{self.name}-{rtype}-{index}")
+        """Every run of the replica's container, earlier pods of the same name included, oldest first."""
+        name = f"{self.name}-{rtype}-{index}"
+        try:
+            self._ship_logs([self.pod(rtype, index)])
+        except ApiException:
+            pass
+        with self._logs_lock:
+            return "".join(text for (pod, _, _), text in self._logs.items() if pod == name)
 
     def events(self, rtype: str, index: int, event: str) -> list[dict]:
         out = []

@@ -1,5 +1,5 @@
 """Nothing lost: a PS process that dies in the middle of writing a checkpoint (after its
-temporary file is complete, before the rename: a test hook SIGKILLs the process there) leaves
+temporary file is complete, before the rename: a test hook ends the process there at once, exit 137 as a SIGKILL) leaves
 the previous checkpoint whole, and the next writer succeeds.
 
 Real processes and a real file system; the crash point is made deterministic by the hook
@@ -42,7 +42,7 @@ def _write(folder, *versions: int, crash_at: int | None = None) -> subprocess.Co
 def test_crash_mid_checkpoint_keeps_the_previous_one(tmp_path):
     folder = tmp_path / "ps-0"
     crashed = _write(folder, 1, 2, crash_at=2)
-    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert crashed.returncode == 128 + signal.SIGKILL, crashed.stderr
 
     # the reader sees the previous checkpoint, whole
     msg = checkpoint.read(folder)
@@ -62,5 +62,5 @@ def test_crash_mid_checkpoint_keeps_the_previous_one(tmp_path):
 
 def test_no_checkpoint_yet_reads_as_none(tmp_path):
     crashed = _write(tmp_path / "ps-0", 1, crash_at=1)
-    assert crashed.returncode == -signal.SIGKILL
+    assert crashed.returncode == 128 + signal.SIGKILL
     assert checkpoint.read(tmp_path / "ps-0") is None
