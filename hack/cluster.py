@@ -750,7 +750,7 @@ def restart(p: Paths, comps: list[str]) -> list[str]:
 
 
 def down(p: Paths, purge: bool) -> None:
-    for comp in reversed(NODE):
+    for comp in reversed(COMPONENTS):
         stop(p, comp)
     try:
         owner = (node.NODE_RUN / "owner").read_text().strip()
@@ -759,8 +759,6 @@ def down(p: Paths, purge: bool) -> None:
     if owner == str(p.root):
         node.teardown(purge_images=purge)
         (node.NODE_RUN / "owner").unlink(missing_ok=True)
-    for comp in reversed(CONTROL_PLANE):
-        stop(p, comp)
     if purge:
         shutil.rmtree(p.root, ignore_errors=True)
         log.info("removed %s", p.root)
