@@ -100,8 +100,10 @@ def summary(console: Console, obj: dict, rates: list[float], images: dict[str, s
     table = Table(title=f"TrainingJob {meta['namespace']}/{meta['name']}", show_header=False)
     table.add_row("phase", status.get("phase", "?"))
     table.add_row("steps", str(progress.get("step", "?")))
-    for key, label, fmt in (("loss", "final loss", "{:.4f}"), ("accuracy", "test accuracy", "{:.4f}")):
-        table.add_row(label, fmt.format(progress[key]) if key in progress else "n/a")
+    for key, label, fmt in (("loss", "final loss", "{:.4f}"), ("accuracy", "test accuracy", "{:.4f}"),
+                            ("auc", "test AUC", "{:.4f}")):
+        if key in progress or key != "auc":
+            table.add_row(label, fmt.format(progress[key]) if key in progress else "n/a")
     table.add_row("examples/s (median while training)", f"{statistics.median(rates):.0f}" if rates else "n/a")
     table.add_row("started / completed", f"{status.get('startTime', '?')} / {status.get('completionTime', '?')}")
     for role, image in sorted(images.items()):

@@ -50,7 +50,8 @@ def _completed(pods: list[PodView]) -> set[semantics.Replica]:
 
 def final_result(job: TrainingJob, pods: list[PodView]) -> dict[str, Any] | None:
     """What the runtime's reporting replica (the Chief, else worker 0) left in its termination
-    message: the final step, loss and test accuracy. None when it left nothing readable."""
+    message: the final step, loss, test accuracy and (binary models) AUC. None when it left nothing
+    readable."""
     reporter = semantics.reporting_replica(job.spec)
     pod = next((p for p in pods if (p.rtype, p.index) == reporter and p.phase == "Succeeded"), None)
     try:
@@ -59,7 +60,8 @@ def final_result(job: TrainingJob, pods: list[PodView]) -> dict[str, Any] | None
         return None
     if not isinstance(message, dict):
         return None
-    fields = {"steps": ("step", 0), "loss": ("loss", 6), "accuracy": ("accuracy", 4)}  # digits kept, as the timer does
+    fields = {"steps": ("step", 0), "loss": ("loss", 6), "accuracy": ("accuracy", 4),  # digits kept, as the timer does
+              "auc": ("auc", 4)}
     return {ours: round(message[theirs], digits) if digits else int(message[theirs])
             for theirs, (ours, digits) in fields.items() if isinstance(message.get(theirs), (int, float))}
 

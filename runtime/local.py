@@ -327,6 +327,7 @@ class LocalRun:
             "steps": status.get("global_step", worker0.get("steps")),
             "loss": status.get("loss", worker0.get("loss")),
             "accuracy": worker0.get("accuracy"),
+            "auc": worker0.get("auc"),
             "examples_per_second": status.get("examples_per_second"),
             "examples": status.get("examples"),
             "wall_seconds": round(wall, 3),
@@ -399,7 +400,9 @@ def run(args: argparse.Namespace) -> int:
         acc = result["accuracy"]
         console.print(
             f"{result['phase']}: steps {result['steps']}, loss {result['loss']}, "
-            f"accuracy {acc if acc is None else round(acc, 4)}, {result['examples_per_second'] or 0:,.0f} examples/s, "
+            f"accuracy {acc if acc is None else round(acc, 4)}"
+            + (f", AUC {result['auc']:.4f}" if result.get("auc") is not None else "")
+            + f", {result['examples_per_second'] or 0:,.0f} examples/s, "
             f"{result['wall_seconds']:.1f} s, restarts {result['restarts']}"
         )
     if not result["succeeded"]:

@@ -64,6 +64,7 @@ class WorkerMetrics(_Bound):
         self.loss = self._make(Gauge, "tfps_worker_loss", "Training loss of the last batch")
         self.retries = self._make(Counter, "tfps_worker_rpc_retries_total", "PS calls retried after an unavailable PS")
         self.eval_accuracy = self._make(Gauge, "tfps_worker_eval_accuracy", "Test-split accuracy of the final parameters (worker 0, at the end)")
+        self.eval_auc = self._make(Gauge, "tfps_worker_eval_auc", "Test-split ROC AUC of the final parameters, binary models (worker 0, at the end)")
 
 
 class PSMetrics(_Bound):

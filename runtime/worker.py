@@ -63,16 +63,25 @@ def make_grad_fn(model: ModelDef, wire_dtype: WireDtype = WireDtype.FLOAT32):
     return grad_fn
 
 
-def accuracy(model: ModelDef, params: dict, data, batch: int = 4096) -> float:
+def evaluate(model: ModelDef, params: dict, data, batch: int = 4096) -> dict[str, float]:
+    """Test-split figures of the given parameters: accuracy, and for a binary (sigmoid) model the
+    area under the ROC curve, which a click model is judged by (its classes are far from even)."""
+    from sklearn.metrics import roc_auc_score
+
     tensors = {k: tf.convert_to_tensor(v) for k, v in params.items()}
-    correct = 0
+    logits, labels = [], []
     for start in range(0, len(data), batch):
-        idx = np.arange(start, min(start + batch, len(data)))
-        x, y = data.take(idx)
-        logits = model.forward(tensors, {k: tf.convert_to_tensor(v) for k, v in x.items()}).numpy()
-        pred = np.argmax(logits, axis=1) if model.loss == "softmax" else (logits.reshape(-1) > 0).astype(y.dtype)
-        correct += int((pred == y).sum())
-    return correct / max(1, len(data))
+        x, y = data.take(np.arange(start, min(start + batch, len(data))))
+        logits.append(model.forward(tensors, {k: tf.convert_to_tensor(v) for k, v in x.items()}).numpy())
+        labels.append(y)
+    scores, y = np.concatenate(logits), np.concatenate(labels)
+    if model.loss == "softmax":
+        return {"accuracy": float((np.argmax(scores, axis=1) == y).mean())}
+    scores = scores.reshape(-1)
+    figures = {"accuracy": float(((scores > 0).astype(y.dtype) == y).mean())}
+    if len(np.unique(y)) == 2:
+        figures["auc"] = float(roc_auc_score(y, scores))
+    return figures
 
 
 def export_saved_model(model: ModelDef, params: dict, example_x: dict, path: str) -> None:
@@ -342,8 +351,10 @@ class Worker:
         params = self.full_params()
         result = {"worker": self.index, "steps": self.versions[0], "loss": self.last_loss, "accuracy": None}
         if self.test is not None and len(self.test):
-            result["accuracy"] = accuracy(self.model, params, self.test)
+            result.update(evaluate(self.model, params, self.test))
             self.metrics.eval_accuracy.set(result["accuracy"])
+            if "auc" in result:
+                self.metrics.eval_auc.set(result["auc"])
         if export_path:
             export_saved_model(self.model, params, self.train.take(np.arange(1))[0], export_path)
             result["export_path"] = export_path

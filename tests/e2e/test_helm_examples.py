@@ -61,6 +61,8 @@ def test_example_trains_to_succeeded(cluster, namespace, release, example):
     assert status["progress"]["step"] >= steps
     if job.spec.training.model == "digits-mlp":  # a model with a test split: worker 0 reports accuracy
         assert status["progress"]["accuracy"] >= 0.9, status["progress"]
+    if job.spec.training.model == "wide-deep":  # a binary model: its AUC is reported too
+        assert status["progress"]["auc"] >= 0.80, status["progress"]
     assert status.get("completionTime") and status.get("startTime")
     assert any(c["type"] == "Succeeded" and c["status"] == "True" for c in status["conditions"])
 

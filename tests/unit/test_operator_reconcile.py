@@ -221,10 +221,10 @@ def test_success_takes_final_figures_from_worker_0s_termination_message():
     pods = _pods(body, j_worker_0=("Succeeded", 0, 0))
     worker0 = next(p for p in pods if p["metadata"]["name"] == "j-worker-0")
     worker0["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = \
-        '{"worker":0,"steps":1000,"loss":0.0500001234,"accuracy":0.9694444,"export_path":null}'
+        '{"worker":0,"steps":1000,"loss":0.0500001234,"accuracy":0.9694444,"auc":0.81234,"export_path":null}'
     p = reconcile.plan(body, pods, NOW)
     assert p.status["phase"] == "Succeeded"
-    assert p.status["progress"] == {"step": 1000, "loss": 0.05, "accuracy": 0.9694, "examplesPerSecond": 900.0}
+    assert p.status["progress"] == {"step": 1000, "loss": 0.05, "accuracy": 0.9694, "auc": 0.8123, "examplesPerSecond": 900.0}
 
 
 @pytest.mark.parametrize("message", [None, "", "not json", "[1, 2]", '{"steps": "many"}'])
