@@ -104,6 +104,23 @@ def job_processes(namespace: str, job: str) -> dict[tuple[str, int], list[int]]:
     return out
 
 
+def container_of(pid: int) -> str | None:
+    """The container a process runs in: the last part of its cgroup path (kubepods/.../<id>)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    paths = [line.split(":", 2)[2] for line in lines if "kubepods" in line]
+    return paths[0].rstrip("/").rsplit("/", 1)[-1] if paths else None
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 @dataclass
 class Watch:
     """What the duplicate watcher saw during a run."""
@@ -165,13 +182,17 @@ class JobRun:
             self.watch.too_many.append(f"{len(live)} pods: {[p.metadata.name for p in live]}")
 
     def _check_processes(self) -> None:
+        """Two containers alive at once for one replica is a duplicate; a replica's process and a
+        child it forked (same container) are not."""
         procs = job_processes(self.namespace, self.name)
         for key, pids in procs.items():
             if len(pids) > 1:
-                # a pid that exited between the scan and now is not a duplicate
-                pids = [p for p in pids if Path(f"/proc/{p}").exists()]
-                if len(pids) > 1:
-                    self.watch.process_duplicates.append(f"{key}: pids {pids}")
+                containers: dict[str | None, list[int]] = {}
+                for pid in pids:
+                    if Path(f"/proc/{pid}").exists():  # one that exited since the scan is not a duplicate
+                        containers.setdefault(container_of(pid), []).append(pid)
+                if len(containers) > 1:
+                    self.watch.process_duplicates.append(f"{key}: containers {containers}")
 
     # -- reading the run ---------------------------------------------------------------------
     def job(self) -> dict:
@@ -268,10 +289,11 @@ class JobRun:
 
     def kill(self, rtype: str, index: int, sig: int = signal.SIGKILL) -> int:
         """Signal the pod's process from the host (a container's processes are the host's too)."""
-        pids = job_processes(self.namespace, self.name).get((rtype, index))
-        assert pids and len(pids) == 1, f"{rtype}-{index}: processes {pids}"
-        os.kill(pids[0], sig)
-        return pids[0]
+        pids = job_processes(self.namespace, self.name).get((rtype, index)) or []
+        main = [p for p in pids if parent_of(p) not in pids]  # not a child the replica forked
+        assert len(main) == 1, f"{rtype}-{index}: processes {pids}"
+        os.kill(main[0], sig)
+        return main[0]
 
     def delete(self) -> None:
         try:
