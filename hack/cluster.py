@@ -348,9 +348,13 @@ def ssl_context(p: Paths) -> ssl.SSLContext:
     return ctx
 
 
-def api_get(p: Paths, url: str, path: str, timeout: float = 3.0) -> tuple[int, bytes]:
+def api_call(p: Paths, url: str, path: str, timeout: float = 3.0, method: str = "GET", body: object = None,
+            content_type: str = "application/json") -> tuple[int, bytes]:
+    """One API call as the admin: (HTTP status, body); status 0 when the server did not answer."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": content_type})
     try:
-        with urllib.request.urlopen(url + path, context=ssl_context(p), timeout=timeout) as r:
+        with urllib.request.urlopen(req, context=ssl_context(p), timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -474,23 +478,13 @@ ARGV = {"etcd": etcd_argv, "kube-apiserver": apiserver_argv,
         "coredns": coredns_argv, "kube-router": kube_router_argv}
 
 
-def api_request(p: Paths, url: str, method: str, path: str, body: object, content_type: str) -> tuple[int, bytes]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method=method,
-                                 headers={"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(req, context=ssl_context(p), timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 def default_sa_exists(p: Paths, url: str) -> bool:
-    code, _ = api_get(p, url, "/api/v1/namespaces/default/serviceaccounts/default")
+    code, _ = api_call(p, url, "/api/v1/namespaces/default/serviceaccounts/default")
     return code == 200
 
 
 def node_ready(p: Paths, url: str) -> bool:
-    code, body = api_get(p, url, f"/api/v1/nodes/{NODE_NAME}")
+    code, body = api_call(p, url, f"/api/v1/nodes/{NODE_NAME}")
     if code != 200:
         return False
     status = json.loads(body).get("status", {})
@@ -500,8 +494,8 @@ def node_ready(p: Paths, url: str) -> bool:
 def advertise_extended_resources(p: Paths, url: str) -> None:
     patch = [{"op": "add", "path": f"/status/capacity/{name.replace('/', '~1')}", "value": value}
              for name, value in node.EXTENDED_RESOURCES.items()]
-    code, body = api_request(p, url, "PATCH", f"/api/v1/nodes/{NODE_NAME}/status", patch,
-                             "application/json-patch+json")
+    code, body = api_call(p, url, f"/api/v1/nodes/{NODE_NAME}/status", timeout=10, method="PATCH", body=patch,
+                         content_type="application/json-patch+json")
     if code != 200:
         raise SystemExit(f"could not advertise {node.EXTENDED_RESOURCES} on node {NODE_NAME}: {code} {body[:300]!r}")
 
@@ -670,7 +664,7 @@ def start_control_plane(p: Paths, info: dict, running: dict[str, bool]) -> list[
     if not running["kube-apiserver"]:
         spawn(p, "kube-apiserver", apiserver_argv(p, info))
         started.append("kube-apiserver")
-    wait_for("kube-apiserver /readyz", lambda: api_get(p, url, "/readyz")[0] == 200, 120, "kube-apiserver", p)
+    wait_for("kube-apiserver /readyz", lambda: api_call(p, url, "/readyz")[0] == 200, 120, "kube-apiserver", p)
     for comp in ("kube-controller-manager", "kube-scheduler"):
         if not running[comp]:
             spawn(p, comp, ARGV[comp](p, info))
@@ -740,7 +734,7 @@ def restart(p: Paths, comps: list[str]) -> list[str]:
         if comp == "etcd":
             wait_for("etcd /health", lambda: etcd_healthy(info), 60, comp, p)
         elif comp == "kube-apiserver":
-            wait_for("kube-apiserver /readyz", lambda: api_get(p, url, "/readyz")[0] == 200, 120, comp, p)
+            wait_for("kube-apiserver /readyz", lambda: api_call(p, url, "/readyz")[0] == 200, 120, comp, p)
         elif comp == "containerd":
             wait_for("containerd", containerd_ready, 60, comp, p)
         elif comp == "kubelet":
@@ -772,7 +766,7 @@ def status(p: Paths) -> int:
         ok &= pid is not None
         print(f"{comp:25} {'running pid ' + str(pid) if pid else 'stopped'}")
     if info:
-        code = api_get(p, info["apiserver_url"], "/readyz")[0] if recorded_pid(p, "kube-apiserver") else 0
+        code = api_call(p, info["apiserver_url"], "/readyz")[0] if recorded_pid(p, "kube-apiserver") else 0
         print(f"{'apiserver':25} {info['apiserver_url']} readyz={code or 'unreachable'}")
         ok &= code == 200
     print(f"{'kubeconfig':25} {p.kubeconfig}")

@@ -346,12 +346,11 @@ def _shim_pids() -> set[int]:
 
 def kill_containers() -> None:
     """Every container process (they live in the kubepods cgroups) and every shim of ours."""
-    for sig in (signal.SIGKILL,):
-        for pid in _pids_in_cgroups() | _shim_pids():
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+    for pid in _pids_in_cgroups() | _shim_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     deadline = time.monotonic() + 10
     while (_pids_in_cgroups() or _shim_pids()) and time.monotonic() < deadline:
         time.sleep(0.1)

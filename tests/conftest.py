@@ -106,9 +106,7 @@ class Cluster:
         statuses = [cs for cs in pod.status.container_statuses or [] if not container or cs.name == container]
         assert statuses and statuses[0].container_id, f"{pod.metadata.name}: no container running"
         cid = statuses[0].container_id.split("://", 1)[1]
-        hc = _hack_cluster()
-        out = subprocess.run(["ctr", "--address", str(hc.node.CONTAINERD_SOCK), "-n", "k8s.io", "tasks", "ls"],
-                             capture_output=True, text=True, check=True).stdout
+        out = self.hack.ctr("tasks", "ls").stdout
         for line in out.splitlines()[1:]:
             task, pid, *_ = line.split()
             if task == cid:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+
+from support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -46,10 +47,8 @@ def test_crd_object_validated_by_api_server(cluster, namespace):
     cluster.kubectl("apply", "-f", "-", input=CRD)
     cluster.kubectl("wait", "--for=condition=Established", "crd/widgets.test.tfps.io", "--timeout=60s")
     # The discovery cache of a fresh CRD can lag a moment behind Established.
-    deadline = time.monotonic() + 30
-    while (r := cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget(3), check=False)).returncode:
-        assert time.monotonic() < deadline, r.stderr
-        time.sleep(1)
+    wait_for("the new kind served (a widget applied)", lambda: cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=widget(3), check=False).returncode == 0, timeout=30, interval=1)
     assert cluster.kubectl("get", "widget", "w3", "-n", namespace, "-o", "jsonpath={.spec.size}").stdout == "3"
 
     too_big = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget(11), check=False)
@@ -85,14 +84,17 @@ def test_rbac_enforced_for_service_account_token(cluster, namespace):
         "subjects": [{"kind": "ServiceAccount", "name": "reader", "namespace": namespace}]})
 
     as_reader = client.CoreV1Api(token_client(cluster, namespace, "reader"))
-    deadline = time.monotonic() + 30  # the authorizer's informer sees the new binding shortly
-    while True:
+
+    def may_list_pods():
         try:
-            as_reader.list_namespaced_pod(namespace)
-            break
+            return as_reader.list_namespaced_pod(namespace) is not None
         except ApiException as e:
-            assert e.status == 403 and time.monotonic() < deadline, e
-            time.sleep(0.5)
+            if e.status != 403:
+                raise
+            return False
+
+    # the authorizer's informer sees the new binding shortly
+    wait_for("the new RoleBinding to take effect", may_list_pods, timeout=30, interval=0.5)
     as_reader.list_namespaced_config_map(namespace)
 
     for denied in (lambda: as_reader.create_namespaced_config_map(namespace, {"metadata": {"name": "x"}}),
@@ -114,14 +116,11 @@ def test_owner_reference_garbage_collection(cluster, namespace):
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "bystander"}})
 
     core.delete_namespaced_config_map("owner", namespace, propagation_policy="Background")
-    deadline = time.monotonic() + 90
-    while True:
-        names = {c.metadata.name for c in core.list_namespaced_config_map(namespace).items}
-        if "child" not in names:
-            break
-        assert time.monotonic() < deadline, f"child not collected: {names}"
-        time.sleep(0.5)
-    assert "bystander" in names
+    def names():
+        return {c.metadata.name for c in core.list_namespaced_config_map(namespace).items}
+
+    wait_for("the child collected", lambda: "child" not in names(), timeout=90, interval=0.5)
+    assert "bystander" in names()
 
 
 def gpu_pod(name: str, gpus: int) -> dict:
@@ -149,13 +148,9 @@ def test_scheduler_binds_only_pods_that_fit(cluster, namespace):
     big = cluster.wait_pod(namespace, "too-big", unschedulable, what="PodScheduled=False")
     assert big.status.phase == "Pending" and big.spec.node_name is None
     assert "nvidia.com/gpu" in next(c.message for c in big.status.conditions if c.type == "PodScheduled")
-    deadline = time.monotonic() + 30
-    while True:
-        events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=too-big").items
-        if any(e.reason == "FailedScheduling" for e in events):
-            break
-        assert time.monotonic() < deadline, [e.reason for e in events]
-        time.sleep(0.5)
+    wait_for("a FailedScheduling event", lambda: [e.reason for e in core.list_namespaced_event(
+        namespace, field_selector="involvedObject.name=too-big").items if e.reason == "FailedScheduling"],
+        timeout=30, interval=0.5)
 
 
 def test_cluster_sh_up_reuses_a_healthy_cluster(cluster):
