@@ -126,12 +126,22 @@ class TrainingSpec(_Model):
         return model
 
 
+class SchedulingPolicy(_Model):
+    """TFJob's runPolicy.schedulingPolicy: the job's pods are scheduled as one gang."""
+
+    min_available: int | None = Field(None, ge=1)  # default: every PS, worker and Chief
+    queue: str | None = None  # Volcano's queue, or Kueue's LocalQueue when queueing is Kueue
+    priority_class: str | None = None  # every pod's priorityClassName, unless its template sets one
+    schedule_timeout_seconds: int | None = Field(None, ge=1)  # scheduler-plugins' coscheduling honours it
+
+
 class RunPolicy(_Model):
     clean_pod_policy: CleanPodPolicy = CleanPodPolicy.RUNNING
     backoff_limit: int = Field(3, ge=0)
     active_deadline_seconds: int | None = Field(None, ge=1)
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
     suspend: bool = False
+    scheduling_policy: SchedulingPolicy | None = None
 
 
 class TrainingJobSpec(_Model):

@@ -93,9 +93,13 @@ build_helm() {
 build_kwok() {
   local dir="$cache/bin/kwok-$KWOK_VERSION"
   progress "kwok $KWOK_VERSION"
-  have "$dir/kwok" && return 0
+  # Its stage files (how fake nodes and pods move through their lifecycle) ship in the module.
+  have "$dir/kwok" && [ -d "$dir/stage" ] && return 0
   mkdir -p "$dir"
   GOBIN="$dir" go install -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+  local src
+  src=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  rm -rf "$dir/stage" && cp -r "$src/kustomize/stage" "$dir/stage" && chmod -R u+w "$dir/stage"
 }
 
 build_etcd

@@ -48,6 +48,8 @@ CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-sche
 NODE = ("containerd", "kubelet", "kube-proxy", "coredns", "kube-router")
 COMPONENTS = CONTROL_PLANE + NODE
 NODE_NAME = node.NODE_NAME
+# Kubernetes' own gang scheduling (alpha in 1.35): the Workload API and the scheduler's plugin.
+FEATURE_GATES = "--feature-gates=GenericWorkload=true,GangScheduling=true"
 PKI_LAYOUT = "2"  # bump when LEAVES change: `up` then makes the PKI anew
 
 
@@ -426,6 +428,7 @@ def apiserver_argv(p: Paths, info: dict) -> list[str]:
             f"--kubelet-client-certificate={pki / 'admin.crt'}", f"--kubelet-client-key={pki / 'admin.key'}",
             f"--kubelet-certificate-authority={pki / 'ca.crt'}",
             "--allow-privileged=true",
+            FEATURE_GATES, "--runtime-config=scheduling.k8s.io/v1alpha1=true",
             "--profiling=false",
             "--v=1"]
 
@@ -441,13 +444,13 @@ def controller_manager_argv(p: Paths, info: dict) -> list[str]:
             # No cloud, no pod CIDRs: leave out the controllers that only make sense with them.
             "--controllers=*,-cloud-node-lifecycle-controller,-node-ipam-controller,"
             "-service-lb-controller,-node-route-controller",
-            "--profiling=false", "--v=1"]
+            FEATURE_GATES, "--profiling=false", "--v=1"]
 
 
 def scheduler_argv(p: Paths, info: dict) -> list[str]:
     return [str(binary("kube-scheduler")), f"--kubeconfig={p.kubeconfig}",
             "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
-            "--profiling=false", "--v=1"]
+            FEATURE_GATES, "--profiling=false", "--v=1"]
 
 
 def containerd_argv(p: Paths, info: dict) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 from tfps.api import naming, semantics, tfconfig
 from tfps.api.spec import ReplicaType, TrainingJob
 
-from . import security
+from . import gang, security
 from .config import OperatorConfig
 from .meta import job_labels, object_meta
 
@@ -143,12 +143,13 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
         if not any(t.get("key") == naming.GPU_RESOURCE for t in tolerations):
             spec["tolerations"] = tolerations + [toleration]
 
-    return security.secure_pod({
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": object_meta(job, name, naming.replica_labels(job.name, rtype, index), template.get("metadata")),
         "spec": spec,
-    })
+    }
+    return security.secure_pod(gang.apply_to_pod(pod, job, rtype, config.scheduling))
 
 
 def desired_pods(job: TrainingJob, config: OperatorConfig) -> list[dict[str, Any]]:

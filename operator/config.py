@@ -7,6 +7,7 @@ Field names are camelCase, as in the chart's values.
 from __future__ import annotations
 
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,35 @@ class NetworkPolicySettings(_Model):
     metrics_from: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class GangBackend(str, Enum):
+    AUTO = "auto"  # Kubernetes' Workload API when the API server serves it, else none
+    WORKLOAD = "workload"  # scheduling.k8s.io/v1alpha1 Workload + the kube-scheduler's GangScheduling plugin
+    COSCHEDULING = "coscheduling"  # scheduler-plugins' PodGroup (scheduling.x-k8s.io/v1alpha1)
+    VOLCANO = "volcano"  # Volcano's PodGroup (scheduling.volcano.sh/v1beta1)
+    NONE = "none"
+
+
+class Queueing(str, Enum):
+    NONE = "none"
+    KUEUE = "kueue"  # Kueue's plain pod groups (labels and an annotation on every pod)
+
+
+# The scheduler each PodGroup backend's pods go to, unless `schedulerName` says otherwise.
+DEFAULT_SCHEDULERS = {GangBackend.COSCHEDULING: "scheduler-plugins-scheduler", GangBackend.VOLCANO: "volcano"}
+
+
+class SchedulingSettings(_Model):
+    gang: GangBackend = GangBackend.AUTO
+    # Gang-schedule every job, as TFJob does with a gang scheduler; otherwise only the jobs
+    # that set spec.runPolicy.schedulingPolicy.
+    all_jobs: bool = False
+    scheduler_name: str | None = None
+    queueing: Queueing = Queueing.NONE
+
+    def scheduler_for(self, backend: GangBackend) -> str | None:
+        return self.scheduler_name or DEFAULT_SCHEDULERS.get(backend)
+
+
 class OperatorConfig(_Model):
     images: Images = Field(default_factory=Images)
     ports: Ports = Field(default_factory=Ports)
@@ -82,6 +112,7 @@ class OperatorConfig(_Model):
     progress_seconds: float = Field(10.0, gt=0)
     # Threads doing API calls for reconciles (jobs are reconciled concurrently).
     reconcile_workers: int = Field(16, ge=1)
+    scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "OperatorConfig":

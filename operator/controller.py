@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from tfps.api import naming
 from tfps.api.spec import ReplicaType, TrainingJob
 
-from . import builders, progress, security
+from . import builders, gang, progress, security
 from .calls import CREATE, OTHER, Key, PriorityPool, job_key
 from .config import OperatorConfig
 from .kube import Kube
@@ -92,6 +92,9 @@ class Controller:
             self._calls.map(key, self.kube.create, security.job_objects(job, self.config))
         pods = [builders.build_pod(job, rtype, index, self.config) for rtype, index in result.create]
         service = builders.build_service(job, self.config)
+        group = gang.group_object(job, gang.backend_for(job, self.config.scheduling))
+        if group is not None:  # before its pods: the scheduler holds a pod until its group exists
+            self._calls.submit(key, self.kube.create, group).result()
         created = sum(self._calls.map(key, self.kube.create, [service, *pods])[1:])
         self.metrics.pods_created.inc(created)
         if created:

@@ -29,6 +29,9 @@ def api_client(pool_size: int = 16) -> client.ApiClient:
     return client.ApiClient(configuration)
 
 
+# Resource names of the kinds the operator creates, where not the kind's name + "s".
+PLURALS = {"NetworkPolicy": "networkpolicies"}
+
 # No call may hang a job's loop: an overloaded API server gets this long, then the pass is retried.
 TIMEOUT = (5, 30)  # seconds: connect, read
 
@@ -78,19 +81,41 @@ class Kube:
         return _json(resp)["items"]
 
     def create(self, body: dict) -> bool:
-        """Create a Pod, Service, Secret or NetworkPolicy; False when it already exists
-        (creating twice is harmless)."""
-        namespace = body["metadata"]["namespace"]
+        """Create a Pod, Service, Secret, NetworkPolicy, or a gang's Workload or PodGroup; False
+        when it already exists (creating twice is harmless). Sent as the JSON it is: the client's
+        typed models would refuse fields of another Kubernetes version (a 1.35 pod's workloadRef)."""
+        api_version, kind = body["apiVersion"], body["kind"]
+        prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        plural = PLURALS.get(kind, kind.lower() + "s")
         try:
-            create = {"Pod": self.core.create_namespaced_pod, "Secret": self.core.create_namespaced_secret,
-                      "NetworkPolicy": self.networking.create_namespaced_network_policy,
-                      "Service": self.core.create_namespaced_service}[body["kind"]]
-            _done(create(namespace, body, _preload_content=False, _request_timeout=TIMEOUT))
+            self._raw("POST", f"{prefix}/namespaces/{body['metadata']['namespace']}/{plural}", body)
             return True
         except ApiException as err:
             if err.status == 409:
                 return False
             raise
+
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves this resource (an alpha API may be off)."""
+        try:
+            found = self._raw("GET", f"/apis/{group}/{version}")
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources", []))
+
+    def _raw(self, method: str, path: str, body: dict | None = None) -> dict:
+        """One request with the client's connection and credentials; the answer's JSON."""
+        api = self.core.api_client
+        method, url, headers, body, _ = api.param_serialize(
+            method, path, header_params={"Content-Type": "application/json", "Accept": "application/json"},
+            body=body, auth_settings=["BearerToken"])
+        resp = api.call_api(method, url, headers, body, _request_timeout=TIMEOUT)
+        data = resp.read()
+        if not 200 <= resp.status < 300:
+            raise ApiException(status=resp.status, reason=f"{resp.reason}: {data[:500].decode(errors='replace')}")
+        return json.loads(data) if data else {}
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         try:

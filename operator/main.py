@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
-    from . import handlers
+    from . import gang, handlers
     from .controller import Controller
     from .kube import Kube, api_client
     from .metrics import OperatorMetrics
@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     config = OperatorConfig.load(args.config)
     kube = Kube(api_client(pool_size=config.reconcile_workers * 2))
+    config = config.model_copy(update={"scheduling": gang.resolve(config.scheduling, kube.serves(*gang.WORKLOAD_API))})
+    log.info("gang scheduling: %s (for %s)", config.scheduling.gang.value,
+             "every job" if config.scheduling.all_jobs else "jobs that set runPolicy.schedulingPolicy")
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_address)

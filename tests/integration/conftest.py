@@ -16,7 +16,7 @@ from kubernetes.client.rest import ApiException
 
 from tfps.runtime.ports import free_port
 
-from support import scrape, wait_for
+from support import hack_module, scrape, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "trainingjob.yaml", REPO / "crds" / "kopf-peering.yaml"]
@@ -177,6 +177,24 @@ def tfps_operator(crds, namespace, tmp_path, request):
     harness.cleanup()
     if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
         print(harness.logs()[-6000:])
+
+
+@pytest.fixture
+def kwok_nodes(cluster, tmp_path):
+    """Starts kwok (hack/kwok.py) with the given fake nodes, for the rest of the test:
+    `kwok_nodes([kwok.node_manifest(...), ...])`. Stopped, and its nodes deleted, afterwards."""
+    kwok = hack_module("kwok")
+    stack = []
+
+    def start(nodes: list[dict]):
+        ctx = kwok.running(cluster.kubeconfig, nodes, tmp_path / "kwok.log")
+        ctx.__enter__()
+        stack.append(ctx)
+        return kwok
+
+    yield start
+    for ctx in reversed(stack):
+        ctx.__exit__(None, None, None)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -12,6 +12,7 @@ sent as server-side dry runs, so a wrongly allowed one changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 import ssl
 import subprocess
@@ -94,8 +95,11 @@ def test_operator_with_the_chart_token_runs_a_job_lifecycle(namespaced_identity,
     refused_before = _refused_requests(ident.cluster.api)
     op.start(f"--peering={ident.peering()}", config=ident.operator_config)
     try:
-        job = op.create(job_manifest("rbac", ps=1, workers=2))
+        # Gang-scheduled: the chart's default (`auto`) lets the operator create the job's Workload.
+        job = op.create(job_manifest("rbac", ps=1, workers=2, run_policy={"schedulingPolicy": {}}))
         pods = op.wait_pods("rbac", {"rbac-ps-0", "rbac-worker-0", "rbac-worker-1"}, timeout=60)
+        raw = json.loads(op.core.read_namespaced_pod("rbac-ps-0", namespace, _preload_content=False).data)
+        assert raw["spec"]["workloadRef"] == {"name": "rbac", "podGroup": "training"}
         assert op.core.read_namespaced_secret("rbac-tfps-auth", namespace).metadata.owner_references[0].uid == job["metadata"]["uid"]
         networking = client.NetworkingV1Api(op.cluster.api)
         assert networking.read_namespaced_network_policy("rbac-tfps", namespace)

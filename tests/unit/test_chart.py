@@ -212,6 +212,7 @@ def test_rbac_covers_what_the_operator_touches():
         ("", "events"): "create",
         ("", "secrets"): "create delete",
         ("networking.k8s.io", "networkpolicies"): "get create delete",
+        ("scheduling.k8s.io", "workloads"): "create",  # gang scheduling, scheduling.gang: auto
         ("kopf.dev", "clusterkopfpeerings"): "get list watch patch",
         ("apiextensions.k8s.io", "customresourcedefinitions"): "list watch",
     }

@@ -112,3 +112,27 @@ def test_restart_is_a_command_that_takes_components(tmp_path):
     assert out.returncode != 0 and "no cluster recorded" in out.stderr
     out = subprocess.run([sys.executable, str(Path(hc.__file__)), "restart", "nonsense"], capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_kwok_addresses_stay_inside_the_clusters_own_block_and_off_the_real_node():
+    import ipaddress
+
+    kwok = hack_module("kwok")
+    node = hack_module("node")
+    own, hole = ipaddress.ip_network("198.18.0.0/15"), ipaddress.ip_network(kwok.BLACKHOLE)
+    pods = ipaddress.ip_network(kwok.POD_CIDR)
+    assert hole.subnet_of(own) and pods.subnet_of(hole) and ipaddress.ip_address(kwok.NODE_IP) in hole
+    assert not hole.overlaps(ipaddress.ip_network(node.POD_CIDR))  # the real node's bridge
+    argv = kwok.argv(Path("/k/kubeconfig"), Path("/k/stages.yaml"))
+    assert f"--cidr={kwok.POD_CIDR}" in argv and f"--node-ip={kwok.NODE_IP}" in argv
+
+
+def test_kwok_nodes_take_only_pods_placed_there():
+    kwok = hack_module("kwok")
+    node = kwok.node_manifest("kwok-gpu-0", cpu="8", memory="32Gi", gpus=4)
+    assert node["status"]["capacity"] == {"cpu": "8", "memory": "32Gi", "pods": "250", "nvidia.com/gpu": "4"}
+    assert node["spec"]["taints"] == [kwok.TAINT]  # the real node's pods never land here
+    placed = kwok.placement()
+    assert all(node["metadata"]["labels"][k] == v for k, v in placed["nodeSelector"].items())
+    assert placed["tolerations"][0]["key"] == kwok.TAINT["key"]
+    assert "nvidia.com/gpu" not in kwok.node_manifest("cpu-only")["status"]["capacity"]

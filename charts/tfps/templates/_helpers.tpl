@@ -91,6 +91,13 @@ networkPolicy:
 resyncSeconds: {{ $op.resyncSeconds }}
 progressSeconds: {{ $op.progressSeconds }}
 reconcileWorkers: {{ $op.reconcileWorkers }}
+scheduling:
+  gang: {{ .Values.scheduling.gang }}
+  allJobs: {{ .Values.scheduling.allJobs }}
+  {{- with .Values.scheduling.schedulerName }}
+  schedulerName: {{ . | quote }}
+  {{- end }}
+  queueing: {{ .Values.scheduling.queueing }}
 {{- end -}}
 
 {{/* Arguments of the operator container (its entrypoint is `tfps`). */}}
@@ -167,6 +174,23 @@ reconcileWorkers: {{ $op.reconcileWorkers }}
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- $gang := .Values.scheduling.gang }}
+{{- if has $gang (list "auto" "workload") }}
+# Gang scheduling: each job's Workload (Kubernetes' own, scheduling.k8s.io/v1alpha1).
+- apiGroups: [scheduling.k8s.io]
+  resources: [workloads]
+  verbs: [create]
+{{- else if eq $gang "coscheduling" }}
+# Gang scheduling: each job's PodGroup (scheduler-plugins' coscheduling).
+- apiGroups: [scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [create]
+{{- else if eq $gang "volcano" }}
+# Gang scheduling: each job's PodGroup (Volcano).
+- apiGroups: [scheduling.volcano.sh]
+  resources: [podgroups]
+  verbs: [create]
+{{- end }}
 {{- if not (empty .Values.operator.watchNamespaces) }}
 # kopf peering (leader election) among replicas, per watched namespace.
 - apiGroups: [kopf.dev]
