@@ -29,6 +29,7 @@ GPU = "nvidia.com/gpu"
 HIGH = "tfps-test-high-no-preempt"
 WORKERS, GPUS_PER_NODE = 6, 4
 ARRIVAL_GAP_S = 20
+BACKOFF_S = 12
 
 
 def _nodes(kwok) -> list[dict]:
@@ -122,6 +123,16 @@ def _busy_cluster_then_job_a(op, kwok) -> None:
     time.sleep(ARRIVAL_GAP_S)
 
 
+def _job_b_arrives_then_the_rest_frees_up(op, kwok, program: Program, priority: str) -> None:
+    op.create(_job(kwok, "job-b", priority))
+    op.wait_pods("job-b", {f"job-b-ps-{i}" for i in range(2)} | {f"job-b-worker-{i}" for i in range(WORKERS)}, 60)
+    wait_for("job B's workers tried and found no GPU", lambda: len(program.unschedulable_workers("job-b")) == WORKERS, 120)
+    # Past the scheduler's longest retry back-off (10 s), every pending worker is waiting for a
+    # change in the cluster, so the freed GPUs go by priority (B first), not by whose back-off ends first.
+    time.sleep(BACKOFF_S)
+    op.core.delete_namespaced_pod("blocker-1", op.namespace, grace_period_seconds=0)
+
+
 def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_operator, kwok_nodes, priority_class):
     """The anchor: the same cluster and jobs with gang scheduling off. Each job ends up holding
     4 of the 6 GPUs it needs, the rest of its workers cannot be placed, and no GPU is left."""
@@ -133,16 +144,14 @@ def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_ope
 
     _busy_cluster_then_job_a(op, kwok)
     wait_for("job A starts partially: 4 of its workers bound", lambda: sum(
-        "-worker-" in n for n in program.bound("job-a")) == 4, 60)
-    op.create(_job(kwok, "job-b", priority_class))
-    op.wait_pods("job-b", {f"job-b-ps-{i}" for i in range(2)} | {f"job-b-worker-{i}" for i in range(WORKERS)}, 60)
-    op.core.delete_namespaced_pod("blocker-1", op.namespace, grace_period_seconds=0)
+        "-worker-" in n for n in program.bound("job-a")) == 4, 180)
+    _job_b_arrives_then_the_rest_frees_up(op, kwok, program, priority_class)
 
     wait_for("job B starts partially: 4 of its workers bound", lambda: sum(
-        "-worker-" in n for n in program.bound("job-b")) == 4, 60)
+        "-worker-" in n for n in program.bound("job-b")) == 4, 180)
     # Deadlock: every GPU is held, each job waits for 2 more that only the other could give back.
     wait_for("the rest of both jobs' workers unschedulable", lambda: len(program.unschedulable_workers("job-a")) == 2
-             and len(program.unschedulable_workers("job-b")) == 2, 60)
+             and len(program.unschedulable_workers("job-b")) == 2, 180)
     held = sum(int((c.resources.requests or {}).get(GPU, 0)) for p in op.pods().values() if p.spec.node_name
                and p.status.phase == "Running" for c in p.spec.containers)
     assert held == 2 * GPUS_PER_NODE
@@ -169,9 +178,7 @@ def test_workload_api_gang_runs_one_job_whole_then_the_other(tfps_operator, kwok
     workload = op.custom.get_namespaced_custom_object("scheduling.k8s.io", "v1alpha1", op.namespace, "workloads", "job-a")
     assert workload["spec"]["podGroups"] == [{"name": "training", "policy": {"gang": {"minCount": 2 + WORKERS}}}]
     assert workload["metadata"]["ownerReferences"][0]["name"] == "job-a"
-    op.create(_job(kwok, "job-b", priority_class))
-    op.wait_pods("job-b", {f"job-b-ps-{i}" for i in range(2)} | {f"job-b-worker-{i}" for i in range(WORKERS)}, 60)
-    op.core.delete_namespaced_pod("blocker-1", op.namespace, grace_period_seconds=0)
+    _job_b_arrives_then_the_rest_frees_up(op, kwok, program, priority_class)
     assert not program.bound("job-a") and not program.bound("job-b")  # neither gang is complete yet
 
     def one_job_whole() -> str | None:
