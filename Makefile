@@ -26,6 +26,7 @@ cluster-tools:
 	hack/build-cluster.sh
 	hack/build-node.sh
 	hack/build-gang-crds.sh
+	hack/build-kueue.sh
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 test: venv system-deps cluster-tools images

@@ -140,9 +140,9 @@ def create_nodes(p: cluster.Paths, nodes: list[dict]) -> None:
             raise RuntimeError(f"creating node {manifest['metadata']['name']}: {code} {body[:300]!r}")
 
 
-def delete_nodes(p: cluster.Paths) -> None:
-    selector = f"{NODE_LABEL[0]}%3D{NODE_LABEL[1]}"
-    _api(p, f"/api/v1/nodes?labelSelector={selector}", "DELETE")
+def delete_nodes(p: cluster.Paths, names: list[str]) -> None:
+    for name in names:
+        _api(p, f"/api/v1/nodes/{name}", "DELETE")
 
 
 def nodes_ready(p: cluster.Paths, names: list[str]) -> bool:
@@ -164,9 +164,9 @@ def running(kubeconfig: str | Path, nodes: list[dict], log_path: str | Path, tim
     _route("replace")
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(argv(kubeconfig, config), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    names = [n["metadata"]["name"] for n in nodes]
     try:
         create_nodes(p, nodes)
-        names = [n["metadata"]["name"] for n in nodes]
         deadline = time.monotonic() + timeout
         while not nodes_ready(p, names):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -174,7 +174,7 @@ def running(kubeconfig: str | Path, nodes: list[dict], log_path: str | Path, tim
             time.sleep(0.2)
         yield proc
     finally:
-        delete_nodes(p)
+        delete_nodes(p, names)  # only its own: another kwok may run beside it with other nodes
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(15)

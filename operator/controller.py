@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from tfps.api import naming
 from tfps.api.spec import ReplicaType, TrainingJob
 
-from . import builders, gang, progress, security
+from . import builders, gang, kueue, progress, security
 from .calls import CREATE, OTHER, Key, PriorityPool, job_key
 from .config import OperatorConfig
 from .kube import Kube
@@ -67,6 +67,8 @@ class Controller:
         patch = merge_patch(old, result.status)
         if patch:  # before the deletions, so a restart is counted even if we die right after
             self._calls.submit(key, self.kube.patch_job_status, namespace, name, patch).result()
+        if kueue.enabled(self.config):  # Kueue's pod group first (operator/kueue.py)
+            self._release_kueue_group(key, namespace, pods, body, result)
         for pod_name in result.restart:
             # Its containers have exited: no grace period to wait for.
             if self._calls.submit(key, self.kube.delete_pod, namespace, pod_name, 0).result():
@@ -91,6 +93,7 @@ class Controller:
         if security.creates_every_pod(job, result.create):  # the Secret must exist before any pod
             self._calls.map(key, self.kube.create, security.job_objects(job, self.config))
         pods = [builders.build_pod(job, rtype, index, self.config) for rtype, index in result.create]
+        pods = kueue.label_pods(pods, job, self.config, result.status["startTime"])
         service = builders.build_service(job, self.config)
         group = gang.group_object(job, gang.backend_for(job, self.config.scheduling))
         if group is not None:  # before its pods: the scheduler holds a pod until its group exists
@@ -100,6 +103,13 @@ class Controller:
         if created:
             log.info("%s/%s: created %d pods", job.namespace, job.name, created)
         return created == len(pods)
+
+    def _release_kueue_group(self, key: Key, namespace: str, pods: list[dict], body: dict, result: Plan) -> None:
+        """Before pods go: the whole group marked unretriable once the job ends, and Kueue's
+        finalizer off the pods deleted while running or to be recreated."""
+        patches = kueue.release_patches(pods, body["metadata"].get("uid", ""), ending=kueue.ending(result.status.get("phase")),
+                                        restart=result.restart, delete=result.delete)
+        self._calls.map(key, lambda item: self.kube.patch_pod(namespace, *item), patches)
 
     def read_progress(self, namespace: str, name: str, previous: progress.Sample | None) -> tuple[dict | None, progress.Sample | None]:
         """status.progress from the PS pods' metrics, and the sample to compare with next time."""
@@ -115,5 +125,9 @@ class Controller:
 
     def delete_children(self, namespace: str, name: str, uid: str, created: str | None = None) -> None:
         key = (OTHER, *job_key(created, namespace, name))
+        if kueue.enabled(self.config):  # the job is going: its Kueue pod group ends with it
+            pods = self.kube.list_pods(namespace, name)
+            patches = kueue.release_patches(pods, uid, ending=True, delete=[p["metadata"]["name"] for p in pods])
+            self._calls.map(key, lambda item: self.kube.patch_pod(namespace, *item), patches)
         deleted = self.kube.delete_children(namespace, name, uid, lambda fn, items: self._calls.map(key, fn, items))
         self.metrics.pods_deleted.inc(deleted)

@@ -117,6 +117,17 @@ class Kube:
             raise ApiException(status=resp.status, reason=f"{resp.reason}: {data[:500].decode(errors='replace')}")
         return json.loads(data) if data else {}
 
+    def patch_pod(self, namespace: str, name: str, patch: dict) -> bool:
+        """A JSON merge patch (lists replaced whole: a pod's finalizers); False when the pod is gone."""
+        try:
+            _done(self.core.patch_namespaced_pod(name, namespace, patch, _content_type="application/merge-patch+json",
+                                                 _preload_content=False, _request_timeout=TIMEOUT))
+            return True
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         try:
             _done(self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds,

@@ -592,3 +592,12 @@ def test_dashboard_and_alerts_use_only_metrics_that_exist():
     used = {m for e in exprs for m in re.findall(r"\b(tfps_[a-z_]+)", e)}
     unknown = sorted(u for u in used if re.sub(r"_(bucket|sum|count)$", "", u) not in defined)
     assert not unknown, f"queries of metrics nobody exports: {unknown}"
+
+
+@needs_helm
+def test_rbac_lets_the_operator_patch_pods_only_with_kueue_queueing():
+    """Ending a Kueue pod group takes a pod patch (operator/kueue.py); without Kueue, none."""
+    def pod_verbs(*sets):
+        return {v for _, r in _rules(render(*sets)) if "pods" in r["resources"] for v in r["verbs"]}
+    assert "patch" in pod_verbs("scheduling.queueing=kueue")
+    assert "patch" not in pod_verbs()

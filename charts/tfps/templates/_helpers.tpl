@@ -153,10 +153,18 @@ scheduling:
 - apiGroups: [tfps.io]
   resources: [trainingjobs/status]
   verbs: [get, patch]
+{{- if eq .Values.scheduling.queueing "kueue" }}
+# The PS and worker pods (watched, created, deleted; patched only to end their Kueue pod group:
+# an annotation, and Kueue's finalizer off a pod deleted while it runs).
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, create, delete, patch]
+{{- else }}
 # The PS and worker pods (watched, created, deleted; never changed in place).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, delete]
+{{- end }}
 # Each job's headless Service.
 - apiGroups: [""]
   resources: [services]
