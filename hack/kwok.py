@@ -81,18 +81,19 @@ def kwok_dir() -> Path:
     return cluster.binary("kwok").resolve().parent
 
 
-def placement() -> dict:
-    """The pod-spec fields that put a pod on kwok's nodes only (never on the real node)."""
-    return {"nodeSelector": {NODE_LABEL[0]: NODE_LABEL[1]},
+def placement(label: tuple[str, str] = NODE_LABEL) -> dict:
+    """The pod-spec fields that put a pod on kwok's nodes with `label` only (never on the real node)."""
+    return {"nodeSelector": {label[0]: label[1]},
             "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": TAINT["effect"]}]}
 
 
-def node_manifest(name: str, cpu: str = "64", memory: str = "256Gi", gpus: int = 0, pods: int = 250) -> dict:
+def node_manifest(name: str, cpu: str = "64", memory: str = "256Gi", gpus: int = 0, pods: int = 250,
+                  label: tuple[str, str] = NODE_LABEL) -> dict:
     capacity = {"cpu": cpu, "memory": memory, "pods": str(pods)}
     if gpus:
         capacity["nvidia.com/gpu"] = str(gpus)
     return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {NODE_LABEL[0]: NODE_LABEL[1], "kubernetes.io/hostname": name},
+            "metadata": {"name": name, "labels": {label[0]: label[1], "kubernetes.io/hostname": name},
                          "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"}},
             "spec": {"taints": [TAINT]},
             "status": {"capacity": capacity, "allocatable": capacity}}
@@ -105,9 +106,10 @@ def write_config(path: Path) -> Path:
     return path
 
 
-def argv(kubeconfig: Path, config: Path) -> list[str]:
+def argv(kubeconfig: Path, config: Path, label: tuple[str, str] = NODE_LABEL) -> list[str]:
+    """One kwok per label: several may run side by side, each playing only its own nodes."""
     return [str(cluster.binary("kwok")), f"--kubeconfig={kubeconfig}", f"--config={config}",
-            f"--manage-nodes-with-label-selector={NODE_LABEL[0]}={NODE_LABEL[1]}",
+            f"--manage-nodes-with-label-selector={label[0]}={label[1]}",
             f"--cidr={POD_CIDR}", f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40"]
 
 
@@ -145,8 +147,8 @@ def delete_nodes(p: cluster.Paths, names: list[str]) -> None:
         _api(p, f"/api/v1/nodes/{name}", "DELETE")
 
 
-def nodes_ready(p: cluster.Paths, names: list[str]) -> bool:
-    code, body = _api(p, f"/api/v1/nodes?labelSelector={NODE_LABEL[0]}%3D{NODE_LABEL[1]}")
+def nodes_ready(p: cluster.Paths, names: list[str], label: tuple[str, str] = NODE_LABEL) -> bool:
+    code, body = _api(p, f"/api/v1/nodes?labelSelector={label[0]}%3D{label[1]}")
     if code != 200:
         return False
     ready = {n["metadata"]["name"] for n in json.loads(body)["items"]
@@ -155,20 +157,22 @@ def nodes_ready(p: cluster.Paths, names: list[str]) -> bool:
 
 
 @contextlib.contextmanager
-def running(kubeconfig: str | Path, nodes: list[dict], log_path: str | Path, timeout: float = 60) -> Iterator[subprocess.Popen]:
-    """kwok and its nodes, Ready; on exit the nodes are deleted (their pods with them) and kwok stops."""
+def running(kubeconfig: str | Path, nodes: list[dict], log_path: str | Path, timeout: float = 60,
+            label: tuple[str, str] = NODE_LABEL) -> Iterator[subprocess.Popen]:
+    """kwok for the nodes with `label`, and `nodes` (made with that label), Ready; on exit those
+    nodes are deleted (their pods with them) and kwok stops."""
     kubeconfig = Path(kubeconfig)
     p = cluster.Paths(kubeconfig.parent)
     log_path = Path(log_path)
     config = write_config(log_path.with_suffix(".stages.yaml"))
     _route("replace")
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv(kubeconfig, config), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv(kubeconfig, config, label), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     names = [n["metadata"]["name"] for n in nodes]
     try:
         create_nodes(p, nodes)
         deadline = time.monotonic() + timeout
-        while not nodes_ready(p, names):
+        while not nodes_ready(p, names, label):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"kwok nodes not Ready after {timeout:.0f}s (kwok log: {log_path})")
             time.sleep(0.2)

@@ -13,7 +13,7 @@ from kubernetes import client, config as kube_config
 from kubernetes.client.rest import ApiException
 
 from tfps.api import naming
-from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, ReplicaType
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,11 @@ class Kube:
             if err.status != 404:
                 raise
 
-    def list_pods(self, namespace: str, job: str) -> list[dict]:
+    def list_pods(self, namespace: str, job: str, rtype: ReplicaType | None = None) -> list[dict]:
+        """The job's pods (of one replica type only, when given: less to read and decode)."""
+        selector = naming.job_selector(job) | ({naming.LABEL_TYPE: rtype.task_type} if rtype else {})
         resp = self.core.list_namespaced_pod(
-            namespace, label_selector=naming.label_selector(naming.job_selector(job)), _preload_content=False, _request_timeout=TIMEOUT)
+            namespace, label_selector=naming.label_selector(selector), _preload_content=False, _request_timeout=TIMEOUT)
         return _json(resp)["items"]
 
     def create(self, body: dict) -> bool:
