@@ -113,6 +113,7 @@ class Shard:
         self._warm: tuple[float, int] | None = None  # (time, examples) once past warm-up
         self._last_rate = 0.0
         self._shared_reply: tuple = (-1, False, b"")
+        self.wire_bytes, self._count_lock = 0, threading.Lock()
         self.vars: dict[str, tf.Variable] = {}
         self.slots: dict[str, dict[str, tf.Variable]] = {}
         for part in parts:
@@ -303,7 +304,7 @@ class Shard:
             req = self._parse(wire.decode(data))
         except wire.WireError as err:
             raise Rejected(err.reason, str(err)) from None
-        self.metrics.bytes_in.inc(len(data))
+        self._count(self.metrics.bytes_in, len(data))
         with self.cond:
             self.consistency.seen(req.worker)
             target, stale = self._accept(req)
@@ -313,7 +314,7 @@ class Shard:
             shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
             if shared and self._shared_reply[:2] == (self.version, encoding):
                 out = self._shared_reply[2]
-                self.metrics.bytes_out.inc(_size(out))
+                self._count(self.metrics.bytes_out, _size(out))
                 return out
             meta = {
                 "version": self.version,
@@ -330,8 +331,14 @@ class Shard:
         out = ENCODERS[encoding](meta, {k: np.asarray(v) for k, v in tensors.items()})
         if shared:
             self._shared_reply = (meta["version"], encoding, out)
-        self.metrics.bytes_out.inc(_size(out))
+        self._count(self.metrics.bytes_out, _size(out))
         return out
+
+    def _count(self, counter, nbytes: int) -> None:
+        """Bytes of Step and PullFull messages, either way (also in status(): `wire_bytes`)."""
+        counter.inc(nbytes)
+        with self._count_lock:
+            self.wire_bytes += nbytes
 
     def _read(self, req: _Request) -> dict:
         tensors = {}
@@ -348,7 +355,7 @@ class Shard:
             tensors = {name: var.read_value() for name, var in self.vars.items()}
             meta = {"version": self.version, "done": self.done, "incarnation": self.incarnation}
         out = wire.encode_chunks(meta, {k: np.asarray(v) for k, v in tensors.items()})
-        self.metrics.bytes_out.inc(_size(out))
+        self._count(self.metrics.bytes_out, _size(out))
         return out
 
     def status(self) -> dict:
@@ -365,6 +372,7 @@ class Shard:
                 "workers_live": len(self.live_workers()),
                 "incarnation": self.incarnation,
                 "checkpoint_step": self.checkpoint_step,
+                "wire_bytes": self.wire_bytes,
             }
 
     # ---- checkpoints ----
