@@ -48,8 +48,9 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
     fd, tmp = tempfile.mkstemp(prefix=".shard-", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:
-            for chunk in wire.encode_chunks(meta, tensors, chunk=16 << 20):
-                fh.write(chunk)
+            # straight from the tensors' memory: no copy of the shard is made to write it
+            for piece in wire.pieces(meta, tensors):
+                fh.write(piece)
             fh.flush()
             os.fsync(fh.fileno())
         _crash_hook(folder, meta)
