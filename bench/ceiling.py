@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from . import mlp
 from .anchor_tf_pss import add_model_arguments
-from .procs import module_cmd, run_together, timed_window
+from .procs import child_or_orchestrator, module_cmd, run_together, timed_window
 
 MODULE = "tfps.bench.ceiling"
 
@@ -65,13 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_arguments(parser)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if args.child:
-        child(args)
-    else:
-        print(json.dumps(measure(args)), flush=True)
-    return 0
+    return child_or_orchestrator(parser.parse_args(argv), child, measure)
 
 
 if __name__ == "__main__":

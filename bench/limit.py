@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import struct
 import sys
 import threading
 
-from .procs import LOOPBACK, module_cmd, run_json, run_together, timed_window
+from .procs import LOOPBACK, module_cmd, run_json, run_together, timed_window, child_or_orchestrator
 
 MODULE = "tfps.bench.limit"
 STARTUP_S = 150.0  # allowance for starting the processes on a busy machine
@@ -167,13 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if args.child:
-        child(args)
-    else:
-        print(json.dumps(measure(args)), flush=True)
-    return 0
+    return child_or_orchestrator(parser.parse_args(argv), child, measure)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,13 @@ class Repeat:
             self.row[f"{system}:{name}"] = result.get(name)
         self.progress(f"{self.shape} {label}: {self.row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s)")
         return result
+
+
+def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -> int:
+    """The entry point of a measurement whose module is also its own child processes."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.child:
+        child(args)
+    else:
+        print(json.dumps(measure(args)), flush=True)
+    return 0
