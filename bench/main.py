@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput pair")
     parser.add_argument("--learning-rate", type=float, default=0.01, help="SGD learning rate, same on every side")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object instead of tables")
-    parser.add_argument("--output", help="also write the JSON report to this file")
+    parser.add_argument("--output", help="also write the JSON report to this file (after every repeat, then whole)")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,6 +155,11 @@ def build_report(cfg: dict, rows: dict[str, list[dict]], goodput: list[dict] | N
     return out
 
 
+def _write(path: str, result: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=2)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -183,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
             row, errs = embedding.measure_once(_embedding_shape(name), cfg, hints[name], progress, name in CHECKPOINT_SHAPES)
             emb_rows[name].append(row)
             errors += errs
+        if args.output:  # every repeat so far, in case the run is cut short
+            _write(args.output, build_report(cfg, rows, None, errors, time.monotonic() - start, emb_rows))
     goodput = None
     if cfg["goodput"]:
         progress("goodput: tfps PS push+pull vs raw TCP loopback")
@@ -190,8 +197,7 @@ def run(args: argparse.Namespace) -> int:
         errors += errs
     result = build_report(cfg, rows, goodput, errors, time.monotonic() - start, emb_rows)
     if args.output:
-        with open(args.output, "w") as fh:
-            json.dump(result, fh, indent=2)
+        _write(args.output, result)
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
