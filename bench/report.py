@@ -25,7 +25,7 @@ LEGEND = (
     "no PS and no bytes at all; bf16 wire = spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
 )
 EMBEDDING_SYSTEMS: dict[str, str] = {
-    "limit": "bytes-inclusive limit (touched rows' bytes)",
+    "limit": "bytes-inclusive limit",  # of the touched rows' bytes (EMBEDDING_LEGEND)
     "tf_pss_sgd": "TF strategy, SGD",
     "tfps_sgd": "tfps async, SGD",
     "tf_pss_adam": "TF strategy, Adam",
