@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -63,6 +64,36 @@ def start_servers(cluster: dict[str, list[str]]) -> list[subprocess.Popen]:
     return procs
 
 
+@contextlib.contextmanager
+def pss_cluster(args: argparse.Namespace):
+    """The PS and worker servers as processes, and this process's strategy and coordinator."""
+    import tensorflow as tf
+
+    cluster = cluster_spec(args.workers, args.ps)
+    servers = start_servers(cluster)
+    try:
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=_partitioner(tf, args))
+        yield strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait()
+
+
+def per_worker_iterator(strategy, coordinator, dataset_fn):
+    """An iterator over each worker's own copy of the dataset `dataset_fn(context)` makes."""
+    import tensorflow as tf
+
+    @tf.function
+    def per_worker_dataset_fn():
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    return iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+
+
 def _partitioner(tf, args: argparse.Namespace):
     if not (args.partition and args.ps > 1):
         return None
@@ -82,19 +113,36 @@ def _warm_up(coordinator, step_fn, iterator, args: argparse.Namespace) -> int:
             return steps
 
 
+def run_window(coordinator, step_fn, iterator, args: argparse.Namespace) -> tuple[int, float, float]:
+    """Warm up, then schedule steps for `args.seconds`: (steps, seconds, last loss)."""
+    warm_start = time.perf_counter()
+    warm_steps = _warm_up(coordinator, step_fn, iterator, args)
+    # Schedule in chunks of about CHUNK_SECONDS of work, at most MAX_CHUNKS_IN_FLIGHT
+    # queued, so the window ends close to `seconds` whatever the model's speed.
+    rate = warm_steps / (time.perf_counter() - warm_start)
+    chunk = max(args.workers, int(rate * CHUNK_SECONDS))
+
+    in_flight: collections.deque[list] = collections.deque()
+    steps = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.seconds:
+        in_flight.append([coordinator.schedule(step_fn, args=(iterator,)) for _ in range(chunk)])
+        steps += chunk
+        if len(in_flight) > MAX_CHUNKS_IN_FLIGHT:
+            for value in in_flight.popleft():
+                value.fetch()
+    coordinator.join()
+    elapsed = time.perf_counter() - start
+    loss = float(in_flight[-1][-1].fetch()) if in_flight else float("nan")
+    return steps, elapsed, loss
+
+
 def measure(args: argparse.Namespace) -> dict:
     import tensorflow as tf
 
     hidden = mlp.parse_hidden(args.hidden)
     model = mlp.load(args.input_dim, hidden, args.classes, args.seed)
-    cluster = cluster_spec(args.workers, args.ps)
-    servers = start_servers(cluster)
-    try:
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
-        )
-        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=_partitioner(tf, args))
-        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with pss_cluster(args) as (strategy, coordinator):
         with strategy.scope():
             initial = mlp.initial_values(model, args.seed)
             params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, initial, strict=True)]
@@ -106,11 +154,7 @@ def measure(args: argparse.Namespace) -> dict:
             # each worker starts at its own place in the data
             return mlp.tf_dataset(model, args.batch, offset=context.input_pipeline_id if context else 0)
 
-        @tf.function
-        def per_worker_dataset_fn():
-            return strategy.distribute_datasets_from_function(dataset_fn)
-
-        iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
+        iterator = per_worker_iterator(strategy, coordinator, dataset_fn)
 
         @tf.function
         def step_fn(it):
@@ -124,29 +168,7 @@ def measure(args: argparse.Namespace) -> dict:
             x, y = next(it)
             return strategy.run(replica_fn, args=(x, y))
 
-        warm_start = time.perf_counter()
-        warm_steps = _warm_up(coordinator, step_fn, iterator, args)
-        # Schedule in chunks of about CHUNK_SECONDS of work, at most MAX_CHUNKS_IN_FLIGHT
-        # queued, so the window ends close to `seconds` whatever the model's speed.
-        rate = warm_steps / (time.perf_counter() - warm_start)
-        chunk = max(args.workers, int(rate * CHUNK_SECONDS))
-
-        in_flight: collections.deque[list] = collections.deque()
-        steps = 0
-        start = time.perf_counter()
-        while time.perf_counter() - start < args.seconds:
-            in_flight.append([coordinator.schedule(step_fn, args=(iterator,)) for _ in range(chunk)])
-            steps += chunk
-            if len(in_flight) > MAX_CHUNKS_IN_FLIGHT:
-                for value in in_flight.popleft():
-                    value.fetch()
-        coordinator.join()
-        elapsed = time.perf_counter() - start
-        loss = float(in_flight[-1][-1].fetch()) if in_flight else float("nan")
-    finally:
-        for proc in servers:
-            proc.kill()
-            proc.wait()
+        steps, elapsed, loss = run_window(coordinator, step_fn, iterator, args)
     return {
         "system": "tf_pss",
         "steps": steps,

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 
 from . import mlp
 from .anchor_tf_pss import add_model_arguments
-from .procs import child_env, module_cmd
+from .procs import child_or_orchestrator, module_cmd, run_together, timed_window
 
 MODULE = "tfps.bench.ceiling"
 
@@ -36,21 +33,11 @@ def child(args: argparse.Namespace) -> None:
             loss = mlp.loss_fn(model, params, x, y)
         return loss, tape.gradient(loss, params)
 
-    warm_start = time.perf_counter()
-    for step in range(1_000_000):  # a few steps (tracing), then until the warm-up time is spent
-        loss, grads = grad_step(*next(batches))
-        grads[-1].numpy()
-        if step >= 2 and time.perf_counter() - warm_start >= args.warmup_seconds:
-            break
-    print("READY", flush=True)
-    sys.stdin.readline()  # GO
-    steps = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < args.seconds:
+    def step() -> None:
         loss, grads = grad_step(*next(batches))
         grads[-1].numpy()  # wait for the step, as a worker would before pushing
-        steps += 1
-    elapsed = time.perf_counter() - start
+
+    steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)
     print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed}), flush=True)
 
 
@@ -61,29 +48,7 @@ def measure(args: argparse.Namespace) -> dict:
         "--batch", str(args.batch), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
         "--seed", str(args.seed),
     ]  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            module_cmd(MODULE, *base, "--index", str(i)),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True,
-        )  # fmt: skip
-        for i in range(args.workers)
-    ]
-    try:
-        for proc in procs:
-            if not any(line.strip() == "READY" for line in _until_ready(proc)):
-                raise RuntimeError(f"a ceiling worker did not start (exit code {proc.wait()})")
-        for proc in procs:
-            proc.stdin.write("GO\n")
-            proc.stdin.flush()
-        results = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=args.seconds * 4 + 60)
-            results.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 60)
     return {
         "system": "ceiling",
         "examples_per_second": sum(r["examples_per_second"] for r in results),
@@ -94,25 +59,12 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def _until_ready(proc: subprocess.Popen):
-    for line in proc.stdout:
-        yield line
-        if line.strip() == "READY":
-            return
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if args.child:
-        child(args)
-    else:
-        print(json.dumps(measure(args)), flush=True)
-    return 0
+    return child_or_orchestrator(parser.parse_args(argv), child, measure)
 
 
 if __name__ == "__main__":

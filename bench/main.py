@@ -1,16 +1,24 @@
 """`tfps bench`: tfps against its anchors, measured side by side in one run.
 
-For each shape (issue 3: the 670k MLP with 2 workers × 1 PS, the 5.8M MLP with 2 workers ×
-2 PS, batch 128) each repeat measures, back to back: the compute-only ceiling, TensorFlow's
-own ParameterServerStrategy (async), tfps async and tfps sync, and tfps async with
-bfloat16 on the wire (spec.training.wireDtype). Ratios are taken within a
-repeat (paired) and the report gives their median over repeats, next to issue 3's goals.
-Then PS push+pull goodput against raw TCP loopback, also in pairs. Every measurement runs
-in its own processes on 127.0.0.1; this process only orchestrates (no TensorFlow).
+Dense shapes (the 670k MLP with 2 workers × 1 PS, the 5.8M MLP with 2 workers × 2 PS,
+batch 128): each repeat measures, back to back, the bytes-inclusive limit (bench/limit.py),
+the compute-only ceiling, TensorFlow's own ParameterServerStrategy (async), tfps async and
+tfps sync, and tfps async with bfloat16 on the wire (spec.training.wireDtype).
 
-Same work on every side: tfps's built-in `mlp` (parameters, initial values, synthetic
-data), plain SGD with one learning rate, no periodic checkpoints; TF's strategy splits
-large variables across its PS with MinSizePartitioner, as TF's tutorial does.
+Large-embedding shapes (bench/embedding.py: wide-deep with a 2M- and a 10M-row table × 64
+over 2 PS, batch 512, 2 workers, async): each repeat measures the limit that moves only the
+touched rows' bytes, then for SGD and for Adam TF's strategy and tfps, with the bytes through
+the PS per step and each process's peak RSS; on the 2M shape tfps Adam once more while
+checkpoints are written, for its longest step.
+
+Ratios are taken within a repeat (paired) and the report gives their median over repeats,
+next to the goals it states (bench/report.py). Then PS push+pull goodput against raw TCP
+loopback, also in pairs. Every measurement runs in its own processes on 127.0.0.1; this
+process only orchestrates (no TensorFlow).
+
+Same work on every side: tfps's built-in models (parameters, synthetic data), the same
+optimizer and learning rate, no periodic checkpoints; TF's strategy splits large variables
+across its PS with MinSizePartitioner, as TF's tutorial does.
 """
 from __future__ import annotations
 
@@ -20,18 +28,22 @@ import sys
 import time
 from typing import Any, Callable
 
-from . import report, tfps_side
+from . import embedding, limit, report, tfps_side
 from .mlp import SHAPES, Shape
-from .procs import MeasurementError, module_cmd, run_json
+from .procs import MeasurementError, Repeat, module_cmd, run_json
 
 # tfps's runs in each repeat: (consistency mode, spec.training.wireDtype)
 TFPS_RUNS = (("async", "float32"), ("sync", "float32"), ("async", "bfloat16"))
-QUICK = {"seconds": 3.0, "warmup_seconds": 1.0, "repeats": 1, "goodput_mib": 16.0, "raw_mib": 64}
+QUICK = {"seconds": 3.0, "warmup_seconds": 1.0, "repeats": 1, "goodput_mib": 16.0, "raw_mib": 64,
+         "embedding_shapes": [embedding.QUICK_SHAPE.name]}
+CHECKPOINT_SHAPES = ("2M", embedding.QUICK_SHAPE.name)  # the embedding shapes that also measure a checkpoint's stall
 ANCHOR_STARTUP_S = 150.0  # allowance for starting the anchor's processes on a busy machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="which shapes (default: all)")
+    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES), help="which dense shapes (default: all; none: only the embedding ones)")
+    parser.add_argument("--embedding-shapes", nargs="*", choices=list(embedding.SHAPES), default=list(embedding.SHAPES),
+                        help="which large-embedding shapes (default: all; none: only the dense ones)")
     parser.add_argument("--repeats", type=int, default=3, help="paired repeats per shape; the report gives the median ratio")
     parser.add_argument("--seconds", type=float, default=15.0, help="timed window of each measurement, after warm-up")
     parser.add_argument("--warmup-seconds", type=float, default=3.0, help="untimed steps before each anchor's window")
@@ -41,13 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput pair")
     parser.add_argument("--learning-rate", type=float, default=0.01, help="SGD learning rate, same on every side")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object instead of tables")
-    parser.add_argument("--output", help="also write the JSON report to this file")
+    parser.add_argument("--output", help="also write the JSON report to this file (after every repeat, then whole)")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """The effective run settings (`--quick` overrides the time knobs)."""
     out = {
         "shapes": list(args.shapes),
+        "embedding_shapes": list(args.embedding_shapes),
         "repeats": args.repeats,
         "seconds": args.seconds,
         "warmup_seconds": args.warmup_seconds,
@@ -77,22 +90,11 @@ def measure_shape_once(
     shape: Shape, cfg: dict, hints: dict[str, float], progress: Callable[[str], None]
 ) -> tuple[dict, list[str]]:
     """One repeat of one shape: every system back to back. Returns examples/s and errors."""
-    row: dict[str, float | None] = {}
-    errors: list[str] = []
-
-    def attempt(system: str, fn: Callable[[], dict]) -> None:
-        t0 = time.monotonic()
-        try:
-            result = fn()
-            row[system] = float(result["examples_per_second"])
-            progress(f"{shape.name} {report.SYSTEMS[system]}: {row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s)")
-        except (MeasurementError, KeyError, ValueError, TypeError) as err:
-            row[system] = None
-            errors.append(f"{shape.name} {system}: {err}")
-            progress(f"{shape.name} {report.SYSTEMS[system]}: FAILED: {err}")
-
-    attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg))
-    attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
+    rep = Repeat(shape.name, progress, report.SYSTEMS)
+    rep.attempt("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",))
+    rep.attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg))
+    rep.attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
+    row = rep.row
     for mode, wire_dtype in TFPS_RUNS:
         key = tfps_side.system_key(mode, wire_dtype)
         # Size the run from the last tfps rate of this kind (else TF's): about `seconds`
@@ -103,10 +105,10 @@ def measure_shape_once(
         def run_tfps(mode=mode, rate=rate, examples=examples, wire_dtype=wire_dtype) -> dict:
             return tfps_side.measure(shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype)
 
-        attempt(key, run_tfps)
+        rep.attempt(key, run_tfps, ("wire_bytes_per_step",))
         if row.get(key):
             hints[key] = row[key]
-    return row, errors
+    return row, rep.errors
 
 
 def measure_goodput(cfg: dict) -> tuple[list[dict], list[str]]:
@@ -121,7 +123,12 @@ def measure_goodput(cfg: dict) -> tuple[list[dict], list[str]]:
         return [{"raw_tcp": None, "tfps": None}], [f"goodput: {err}"]
 
 
-def build_report(cfg: dict, rows: dict[str, list[dict]], goodput: list[dict] | None, errors: list[str], wall: float) -> dict:
+def _embedding_shape(name: str) -> embedding.EmbeddingShape:
+    return embedding.SHAPES.get(name) or embedding.QUICK_SHAPE
+
+
+def build_report(cfg: dict, rows: dict[str, list[dict]], goodput: list[dict] | None, errors: list[str], wall: float,
+                 embedding_rows: dict[str, list[dict]] | None = None) -> dict:
     shapes = {}
     for name, repeats in rows.items():
         shape = SHAPES[name]
@@ -133,12 +140,24 @@ def build_report(cfg: dict, rows: dict[str, list[dict]], goodput: list[dict] | N
             **report.summarize_shape(name, repeats),
         }
     out: dict[str, Any] = {"settings": cfg, "shapes": shapes}
+    if embedding_rows:
+        out["embedding"] = {
+            "shapes": {name: {"config": {**vars(_embedding_shape(name)), "params": _embedding_shape(name).params},
+                              **report.summarize_shape(name, repeats, report.EMBEDDING_RATIOS)}
+                       for name, repeats in embedding_rows.items()},
+            "scale": report.summarize_scale(embedding_rows),
+        }
     if goodput is not None:
         out["goodput"] = report.summarize_goodput(goodput)
     out["errors"] = errors
     out["goals"] = report.goals_summary(out)
     out["wall_seconds"] = round(wall, 1)
     return out
+
+
+def _write(path: str, result: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(result, fh, indent=2)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.monotonic()
     rows: dict[str, list[dict]] = {name: [] for name in cfg["shapes"]}
-    hints: dict[str, dict[str, float]] = {name: {} for name in cfg["shapes"]}
+    emb_rows: dict[str, list[dict]] = {name: [] for name in cfg["embedding_shapes"]}
+    hints: dict[str, dict[str, float]] = {name: {} for name in [*rows, *emb_rows]}
     errors: list[str] = []
     for rep in range(cfg["repeats"]):
         for name in cfg["shapes"]:
@@ -163,15 +183,21 @@ def run(args: argparse.Namespace) -> int:
             row, errs = measure_shape_once(SHAPES[name], cfg, hints[name], progress)
             rows[name].append(row)
             errors += errs
+        for name in cfg["embedding_shapes"]:
+            progress(f"repeat {rep + 1}/{cfg['repeats']}, embedding shape {name}")
+            row, errs = embedding.measure_once(_embedding_shape(name), cfg, hints[name], progress, name in CHECKPOINT_SHAPES)
+            emb_rows[name].append(row)
+            errors += errs
+        if args.output:  # every repeat so far, in case the run is cut short
+            _write(args.output, build_report(cfg, rows, None, errors, time.monotonic() - start, emb_rows))
     goodput = None
     if cfg["goodput"]:
         progress("goodput: tfps PS push+pull vs raw TCP loopback")
         goodput, errs = measure_goodput(cfg)
         errors += errs
-    result = build_report(cfg, rows, goodput, errors, time.monotonic() - start)
+    result = build_report(cfg, rows, goodput, errors, time.monotonic() - start, emb_rows)
     if args.output:
-        with open(args.output, "w") as fh:
-            json.dump(result, fh, indent=2)
+        _write(args.output, result)
     if args.json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:

@@ -14,7 +14,7 @@ MODEL = "mlp"
 
 @dataclass(frozen=True)
 class Shape:
-    """One benchmark configuration (issue 3's shapes)."""
+    """One dense benchmark configuration: an MLP's sizes, batch, workers and PS."""
 
     name: str
     input_dim: int
@@ -23,6 +23,8 @@ class Shape:
     batch: int
     workers: int
     ps: int
+
+    model = MODEL
 
     @property
     def model_args(self) -> dict:

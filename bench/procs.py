@@ -7,7 +7,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from tfps.runtime.ports import LOOPBACK, free_port  # noqa: F401 - the benchmarks take both from here
 
@@ -79,3 +80,81 @@ def kill_group(proc: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def timed_window(step: Callable[[], None], warmup_seconds: float, seconds: float) -> tuple[int, float]:
+    """A measuring child's loop: steps until warm (a few at least: tracing), READY on stdout,
+    then, on GO from stdin, steps for `seconds`. Returns (steps, elapsed seconds)."""
+    warm_start, warm = time.perf_counter(), 0
+    while warm < 3 or time.perf_counter() - warm_start < warmup_seconds:
+        step()
+        warm += 1
+    print("READY", flush=True)
+    sys.stdin.readline()  # GO
+    steps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step()
+        steps += 1
+    return steps, time.perf_counter() - start
+
+
+def run_together(cmds: list[list[str]], timeout: float) -> list[dict]:
+    """Start children that use `timed_window`, say GO to all once all are READY (so their
+    windows overlap), and return the JSON line each printed last."""
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True) for cmd in cmds]
+    try:
+        for proc in procs:
+            if not any(line.strip() == "READY" for line in _until_ready(proc)):
+                raise MeasurementError(f"a measuring process did not start (exit code {proc.wait()})")
+        for proc in procs:
+            proc.stdin.write("GO\n")
+            proc.stdin.flush()
+        return [last_json_line(proc.communicate(timeout=timeout)[0]) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _until_ready(proc: subprocess.Popen):
+    for line in proc.stdout:
+        yield line
+        if line.strip() == "READY":
+            return
+
+
+class Repeat:
+    """One repeat of one shape: each system's examples/s and chosen figures (`system:figure`),
+    and what failed."""
+
+    def __init__(self, shape: str, progress: Callable[[str], None], labels: dict[str, str]):
+        self.shape, self.progress, self.labels = shape, progress, labels
+        self.row: dict[str, float | None] = {}
+        self.errors: list[str] = []
+
+    def attempt(self, system: str, fn: Callable[[], dict], figures: Sequence[str] = ()) -> dict | None:
+        t0 = time.monotonic()
+        label = self.labels.get(system, system)
+        try:
+            result = fn()
+            self.row[system] = float(result["examples_per_second"])
+        except (MeasurementError, KeyError, ValueError, TypeError) as err:
+            self.row[system] = None
+            self.errors.append(f"{self.shape} {system}: {err}")
+            self.progress(f"{self.shape} {label}: FAILED: {err}")
+            return None
+        for name in figures:
+            self.row[f"{system}:{name}"] = result.get(name)
+        self.progress(f"{self.shape} {label}: {self.row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s)")
+        return result
+
+
+def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -> int:
+    """The entry point of a measurement whose module is also its own child processes."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.child:
+        child(args)
+    else:
+        print(json.dumps(measure(args)), flush=True)
+    return 0

@@ -2,11 +2,19 @@
 
 Written to a temporary file in the same folder, fsynced, renamed over the old one and the
 folder fsynced: a reader sees the previous checkpoint or the new one, never half of one.
+
+A checkpoint written by another number of PS is re-sharded on restore: each new shard
+assembles its parts' rows, and the same rows of their optimizer slots, from the old shards'
+files (mapped, so only the rows it takes are read). The old layout is recomputed from the
+model and the old PS count (runtime/sharding.py is deterministic), and each old file must
+match it. The restored step is the smallest of the old shards' (async shards checkpoint at
+their own pace); the per-worker clocks likewise.
 """
 from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import signal
 import tempfile
@@ -18,6 +26,7 @@ import numpy as np
 from tfps.api.settings import ProcessSettings
 
 from . import wire
+from .sharding import Part, Placement
 
 log = logging.getLogger("tfps.ps")
 
@@ -39,8 +48,9 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
     fd, tmp = tempfile.mkstemp(prefix=".shard-", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:
-            for chunk in wire.encode_chunks(meta, tensors, chunk=16 << 20):
-                fh.write(chunk)
+            # straight from the tensors' memory: no copy of the shard is made to write it
+            for piece in wire.pieces(meta, tensors):
+                fh.write(piece)
             fh.flush()
             os.fsync(fh.fileno())
         _crash_hook(folder, meta)
@@ -67,11 +77,15 @@ def _crash_hook(folder: Path, meta: dict) -> None:
 
 
 def read(folder: str | Path) -> wire.Message | None:
-    """The last complete checkpoint in `folder`, or None when there is none."""
+    """The last complete checkpoint in `folder`, or None when there is none. The file is
+    mapped, not read: its tensors are views whose pages are read when they are used."""
     target = Path(folder) / FILE_NAME
-    if not target.exists():
+    try:
+        with open(target, "rb") as fh:
+            data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(fh.fileno()).st_size else b""
+    except FileNotFoundError:
         return None
-    return wire.decode(target.read_bytes())
+    return wire.decode(data)
 
 
 class ShardCheckpoints:
@@ -79,7 +93,7 @@ class ShardCheckpoints:
     (and waited for) when the job ends; read back when the PS starts again."""
 
     def __init__(self, root: str | Path, index: int, metrics, every_steps: int, last_step: int):
-        self.folder, self.index, self.metrics = shard_dir(root, index), index, metrics
+        self.root, self.folder, self.index, self.metrics = root, shard_dir(root, index), index, metrics
         self.every_steps, self.last_step = every_steps, last_step
         self.step = -1  # the newest written
         self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
@@ -103,12 +117,21 @@ class ShardCheckpoints:
         self.metrics.checkpoint_step.set(self.step)
         log.info(json.dumps({"event": "checkpoint", "ps": self.index, "step": meta["version"], "path": str(self.folder)}))
 
-    def load(self, parts: dict[str, list[int]], optimizer: str) -> wire.Message | None:
-        """The newest checkpoint, None without one; an error when it is another model's."""
-        msg = read(self.folder)
-        if msg is None:
+    def load(self, parts: list, optimizer: str, num_ps: int | None, placement=None) -> wire.Message | None:
+        """The newest checkpoint of these parts, None without one; an error when it is another
+        model's. One written by another number of PS is re-sharded (runtime/reshard.py) when
+        `placement(n)` gives the layout that n PS had (`gather`)."""
+        written_by = saved_num_ps(self.root)
+        if written_by is None:
             return None
-        if msg.meta.get("parts") != parts or msg.meta.get("optimizer") != optimizer:
+        if num_ps is not None and written_by != num_ps and placement is not None:
+            msg, event = gather(self.root, parts, placement(written_by)), "resharded"
+        else:
+            msg, event = read(self.folder), "restored"
+            if msg is None:
+                return None
+        same_parts = event == "resharded" or msg.meta.get("parts") == {p.name: list(p.shape) for p in parts}
+        if not same_parts or msg.meta.get("optimizer") != optimizer:
             raise RuntimeError(
                 f"checkpoint in {self.folder} was written for another model, placement or optimizer; "
                 "move it away or point spec.training.checkpoint.path elsewhere"
@@ -116,8 +139,60 @@ class ShardCheckpoints:
         self.step = int(msg.meta["version"])
         self.metrics.restored.inc()
         self.metrics.checkpoint_step.set(self.step)
-        log.info(json.dumps({"event": "restored", "ps": self.index, "step": self.step, "path": str(self.folder)}))
+        log.info(json.dumps({"event": event, "ps": self.index, "step": self.step, "path": str(self.folder),
+                             "from_ps": written_by}))
         return msg
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+# ---- restoring into another number of PS ----
+def saved_num_ps(root: str | Path) -> int | None:
+    """The PS count that wrote the checkpoint under `root` (None: no checkpoint there)."""
+    first = read(shard_dir(root, 0))
+    if first is not None and "num_ps" in first.meta:
+        return int(first.meta["num_ps"])
+    count = 0
+    while (shard_dir(root, count) / FILE_NAME).exists():
+        count += 1
+    return count or None
+
+
+def gather(root: str | Path, own: list[Part], old: Placement) -> wire.Message:
+    """The checkpoint of the parts `own`, cut from the shards that the `old` placement wrote."""
+    saved = {}
+    for i in range(old.num_ps):
+        msg = read(shard_dir(root, i))
+        expected = {p.name: list(p.shape) for p in old.for_ps(i)}
+        if msg is None or msg.meta.get("parts") != expected:
+            raise RuntimeError(f"cannot re-shard the checkpoint in {root}: PS {i} of {old.num_ps} "
+                               f"{'has none' if msg is None else 'was written for another model or placement'}")
+        saved[i] = msg
+    tensors = {}
+    for part in own:
+        sources = sorted(old.parts_of(part.var), key=lambda p: p.start)
+        first = saved[sources[0].ps].tensors
+        for suffix in [name[len(sources[0].name):] for name in first if name.split(":")[0] == sources[0].name]:
+            tensors[part.name + suffix] = _rows(part, sources, saved, suffix)
+    metas = [m.meta for m in saved.values()]
+    clocks = [m.get("clocks", []) for m in metas]
+    meta = {
+        "version": min(int(m["version"]) for m in metas),
+        "examples": min(int(m.get("examples", 0)) for m in metas),
+        "loss": metas[0].get("loss"),
+        "clocks": [min(c) for c in zip(*clocks, strict=False)] if all(clocks) else [],
+        "optimizer": metas[0].get("optimizer"),
+    }
+    return wire.Message(meta, tensors)
+
+
+def _rows(part: Part, sources: list[Part], saved: dict[int, wire.Message], suffix: str) -> np.ndarray:
+    if not part.shape:
+        return saved[sources[0].ps].tensors[sources[0].name + suffix]
+    pieces = []
+    for src in sources:
+        lo, hi = max(part.start, src.start), min(part.stop, src.stop)
+        if lo < hi:
+            pieces.append(saved[src.ps].tensors[src.name + suffix][lo - src.start:hi - src.start])
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

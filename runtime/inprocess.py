@@ -39,7 +39,8 @@ class InProcessCluster:
         params = {p.name: p for p in model.params}
         for i in range(self.num_ps):
             shard = Shard(plan.for_ps(i), params, self.training, self.num_workers, i,
-                          PSMetrics(Identity(self.job, "default", "ps", i)), checkpoint_root=self.checkpoint_root)
+                          PSMetrics(Identity(self.job, "default", "ps", i)), checkpoint_root=self.checkpoint_root,
+                          num_ps=self.num_ps)
             server, port = serve(shard, "127.0.0.1:0")
             self.shards.append(shard)
             self.servers.append(server)

@@ -45,6 +45,7 @@ from tfps.api.tfconfig import tf_config
 
 from . import auth, pki
 from .ports import LOOPBACK, free_port
+from .process import peak_rss_bytes
 
 POLL_SECONDS = 0.25
 
@@ -59,6 +60,7 @@ class Replica:
     restarts: int = 0
     exit_code: int | None = None  # final, once it will not be restarted
     log_path: Path | None = None
+    peak_rss: int | None = None  # bytes, sampled on every poll while it runs
 
     @property
     def name(self) -> str:
@@ -116,7 +118,8 @@ class LocalRun:
         self.status: dict = {}
         self.restarts = 0
         self.events: list[str] = []
-        self._client = None
+        self._clients: dict = {}
+        self.wire_bytes: int | None = None
 
     def _tls_material(self):
         if self.training is None or not self.training.tls:
@@ -200,22 +203,36 @@ class LocalRun:
         return semantics.restarts_after_exit(replica.rtype, policy, code)
 
     # ---- progress ----
-    def _ps0(self):
-        if self._client is None:
+    def _ps(self, index: int = 0):
+        if index not in self._clients:
             if self.training is None or not self.job.spec.replicas(ReplicaType.PS):
                 raise LookupError("no built-in PS to ask")
             from .client import ShardClient
 
             security = auth.ClientSecurity.from_env(self.training.tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
-            self._client = ShardClient(self._address(ReplicaType.PS, 0), 0, retry_seconds=0, security=security)
-        return self._client
+            self._clients[index] = ShardClient(self._address(ReplicaType.PS, index), index, retry_seconds=0, security=security)
+        return self._clients[index]
 
     def poll_status(self) -> dict:
         try:
-            self.status = self._ps0().status(timeout=1.0)
+            self.status = self._ps().status(timeout=1.0)
         except Exception:  # PS 0 not up yet or restarting: keep the last status
             pass
         return self.status
+
+    def _wire_bytes(self) -> int | None:
+        """Bytes of Step and PullFull messages through every PS, either way."""
+        try:
+            return sum(self._ps(k).status(timeout=5.0)["wire_bytes"] for k in range(self.job.spec.replicas(ReplicaType.PS)))
+        except Exception:
+            return None
+
+    def _sample_memory(self) -> None:
+        for replica in self.replicas.values():
+            if replica.proc is not None and replica.proc.poll() is None:
+                rss = peak_rss_bytes(replica.proc.pid)
+                if rss is not None:
+                    replica.peak_rss = max(rss, replica.peak_rss or 0)
 
     def succeeded(self) -> str | None:
         """Why the job has succeeded (tfps.api.semantics.success), or None while it has not."""
@@ -271,6 +288,7 @@ class LocalRun:
             while True:
                 time.sleep(POLL_SECONDS)
                 status = self.poll_status()
+                self._sample_memory()
                 if progress:
                     progress(status)
                 if self.on_status:
@@ -285,6 +303,7 @@ class LocalRun:
             if not failure:
                 self._wait_workers(timeout=30)
                 self.poll_status()
+                self.wire_bytes = self._wire_bytes()
         finally:
             self._stop_all()
         return self._result(failure, time.monotonic() - started)
@@ -309,8 +328,8 @@ class LocalRun:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self._client is not None:
-            self._client.close()
+        for client in self._clients.values():
+            client.close()
 
     def _result(self, failure: str | None, wall: float) -> dict:
         worker0 = {}
@@ -331,6 +350,9 @@ class LocalRun:
             "examples_per_second": status.get("examples_per_second"),
             "examples": status.get("examples"),
             "wall_seconds": round(wall, 3),
+            "wire_bytes": self.wire_bytes,
+            "peak_rss_bytes": {r.name: r.peak_rss for r in self.replicas.values()},
+            "step_seconds": worker0.get("step_seconds"),
             "restarts": self.restarts,
             "events": self.events,
             "workdir": str(self.workdir),

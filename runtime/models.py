@@ -22,6 +22,9 @@ from typing import Any, Callable
 import numpy as np
 
 
+INIT_BLOCK_ROWS = 1 << 16
+
+
 @dataclass(frozen=True)
 class Param:
     name: str
@@ -36,15 +39,33 @@ class Param:
 
     def initial_value(self, seed: int) -> np.ndarray:
         """Deterministic in (seed, name): every PS and every test sees the same start."""
-        rng = np.random.default_rng([seed, zlib.crc32(self.name.encode())])
+        return self.initial_rows(seed, 0, self.shape[0] if self.shape else 1)
+
+    def initial_rows(self, seed: int, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of the initial value, drawn block by block (INIT_BLOCK_ROWS rows,
+        each block from its own seed), so a PS makes only its own rows of a large table, and
+        the values do not depend on how the rows are split over PS."""
+        if not self.shape:
+            return self._draw(np.random.default_rng([seed, zlib.crc32(self.name.encode())]), ())
+        first, last = start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)
+        out = np.empty((stop - start, *self.shape[1:]), np.float32)
+        for block in range(first, last):
+            lo = block * INIT_BLOCK_ROWS
+            hi = min(lo + INIT_BLOCK_ROWS, self.shape[0])
+            rng = np.random.default_rng([seed, zlib.crc32(self.name.encode()), block])
+            a, b = max(lo, start), min(hi, stop)
+            out[a - start:b - start] = self._draw(rng, (hi - lo, *self.shape[1:]))[a - lo:b - lo]
+        return out
+
+    def _draw(self, rng: np.random.Generator, shape: tuple) -> np.ndarray:
         if self.init == "zeros":
-            return np.zeros(self.shape, np.float32)
+            return np.zeros(shape, np.float32)
         if self.init.startswith("normal:"):
-            return rng.normal(0.0, float(self.init.split(":", 1)[1]), self.shape).astype(np.float32)
+            return rng.standard_normal(shape, np.float32) * np.float32(self.init.split(":", 1)[1])
         if self.init == "glorot":
             fan_in, fan_out = (self.shape[0], self.shape[-1]) if len(self.shape) > 1 else (self.shape[0], self.shape[0])
-            limit = np.sqrt(6.0 / (fan_in + fan_out))
-            return rng.uniform(-limit, limit, self.shape).astype(np.float32)
+            limit = np.float32(np.sqrt(6.0 / (fan_in + fan_out)))
+            return (rng.random(shape, np.float32) * 2 - 1) * limit
         raise ValueError(f"parameter {self.name}: unknown initialiser {self.init!r}")
 
 

@@ -37,10 +37,9 @@ class ShardOptimizer:
     def slot_names(self) -> tuple[str, ...]:
         return SLOTS[self.name]
 
-    def initial_slot(self, slot: str, shape) -> np.ndarray:
-        if slot == "accumulator":
-            return np.full(shape, self.spec.initial_accumulator, np.float32)
-        return np.zeros(shape, np.float32)
+    def initial_slot(self, slot: str, shape) -> tf.Tensor:
+        """Made by TensorFlow, so a large table's slot is never also held as a numpy copy."""
+        return tf.fill(shape, tf.constant(self.spec.initial_accumulator if slot == "accumulator" else 0.0, tf.float32))
 
     def _adam_powers(self, t: int):
         return (tf.constant(self.spec.beta1 ** t, tf.float32), tf.constant(self.spec.beta2 ** t, tf.float32))

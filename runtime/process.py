@@ -89,6 +89,18 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+def peak_rss_bytes(pid: int) -> int | None:
+    """A live process's peak resident memory (Linux's VmHWM), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def setup_logging(job: str, replica: str, level: int = logging.INFO) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(job, replica))

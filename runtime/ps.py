@@ -41,7 +41,7 @@ from .datapath import DataServer, split_host
 from .metrics import PSMetrics
 from .models import Param
 from .optimizers import ShardOptimizer
-from .sharding import Part, initial_part
+from .sharding import Part, initial_part, place
 from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.ps")
@@ -91,11 +91,14 @@ class Shard:
         checkpoint_root: str | None = None,
         worker_timeout: float = 10.0,
         startup_grace: float = 120.0,
+        num_ps: int | None = None,  # the job's PS count: with it, a checkpoint of another count is re-sharded
     ):
         self.index, self.training, self.metrics = index, training, metrics
         self.mode = training.consistency.mode
         self.steps = training.steps
         self.parts = {p.name: p for p in parts}
+        self.num_ps = num_ps
+        self._params = list(params.values())
         self.consistency = Consistency(self.mode, training.consistency.staleness, num_workers, worker_timeout, startup_grace)
         self.max_request_bytes = wire.MAX_MESSAGE_BYTES  # streamed requests too (unary: gRPC's limit)
         self.optimizer = ShardOptimizer(training.optimizer)
@@ -110,13 +113,14 @@ class Shard:
         self._warm: tuple[float, int] | None = None  # (time, examples) once past warm-up
         self._last_rate = 0.0
         self._shared_reply: tuple = (-1, False, b"")
+        self.wire_bytes, self._count_lock = 0, threading.Lock()
         self.vars: dict[str, tf.Variable] = {}
         self.slots: dict[str, dict[str, tf.Variable]] = {}
         for part in parts:
-            value = initial_part(part, params[part.var], training.seed)
-            self.vars[part.name] = tf.Variable(value, name=part.name.replace("/", "_"))
+            # the numpy rows are dropped once the variable holds them: one copy of a table at a time
+            self.vars[part.name] = tf.Variable(initial_part(part, params[part.var], training.seed), name=part.name.replace("/", "_"))
             self.slots[part.name] = {
-                s: tf.Variable(self.optimizer.initial_slot(s, value.shape), name=f"{part.name.replace('/', '_')}_{s}")
+                s: tf.Variable(self.optimizer.initial_slot(s, part.shape), name=f"{part.name.replace('/', '_')}_{s}")
                 for s in self.optimizer.slot_names()
             }
         dense_vars = {n: v for n, v in self.vars.items() if not self.parts[n].sparse}
@@ -300,7 +304,7 @@ class Shard:
             req = self._parse(wire.decode(data))
         except wire.WireError as err:
             raise Rejected(err.reason, str(err)) from None
-        self.metrics.bytes_in.inc(len(data))
+        self._count(self.metrics.bytes_in, len(data))
         with self.cond:
             self.consistency.seen(req.worker)
             target, stale = self._accept(req)
@@ -310,7 +314,7 @@ class Shard:
             shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
             if shared and self._shared_reply[:2] == (self.version, encoding):
                 out = self._shared_reply[2]
-                self.metrics.bytes_out.inc(_size(out))
+                self._count(self.metrics.bytes_out, _size(out))
                 return out
             meta = {
                 "version": self.version,
@@ -327,8 +331,14 @@ class Shard:
         out = ENCODERS[encoding](meta, {k: np.asarray(v) for k, v in tensors.items()})
         if shared:
             self._shared_reply = (meta["version"], encoding, out)
-        self.metrics.bytes_out.inc(_size(out))
+        self._count(self.metrics.bytes_out, _size(out))
         return out
+
+    def _count(self, counter, nbytes: int) -> None:
+        """Bytes of Step and PullFull messages, either way (also in status(): `wire_bytes`)."""
+        counter.inc(nbytes)
+        with self._count_lock:
+            self.wire_bytes += nbytes
 
     def _read(self, req: _Request) -> dict:
         tensors = {}
@@ -345,7 +355,7 @@ class Shard:
             tensors = {name: var.read_value() for name, var in self.vars.items()}
             meta = {"version": self.version, "done": self.done, "incarnation": self.incarnation}
         out = wire.encode_chunks(meta, {k: np.asarray(v) for k, v in tensors.items()})
-        self.metrics.bytes_out.inc(_size(out))
+        self._count(self.metrics.bytes_out, _size(out))
         return out
 
     def status(self) -> dict:
@@ -362,6 +372,7 @@ class Shard:
                 "workers_live": len(self.live_workers()),
                 "incarnation": self.incarnation,
                 "checkpoint_step": self.checkpoint_step,
+                "wire_bytes": self.wire_bytes,
             }
 
     # ---- checkpoints ----
@@ -381,6 +392,7 @@ class Shard:
             "loss": self.loss,
             "optimizer": self.optimizer.name.value,
             "parts": self._expected_parts(),
+            "num_ps": self.num_ps,
         }
         return meta, tensors
 
@@ -395,7 +407,10 @@ class Shard:
         return self.checkpoints.step
 
     def _restore(self) -> None:
-        msg = self.checkpoints.load(self._expected_parts(), self.optimizer.name.value) if self.checkpoints else None
+        if not self.checkpoints:
+            return
+        msg = self.checkpoints.load(list(self.parts.values()), self.optimizer.name.value, self.num_ps,
+                                    lambda n: place(self._params, n))
         if msg is None:
             return
         for name, var in self.vars.items():

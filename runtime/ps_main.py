@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         metrics=metrics,
         checkpoint_root=cfg.training.checkpoint.path,
         worker_timeout=cfg.settings.worker_timeout_seconds,
+        num_ps=len(cfg.cluster.ps),
     )
     server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security, data_port=cfg.data_port)
     log.info(json.dumps({

@@ -80,9 +80,8 @@ def place(params: list[Param], num_ps: int) -> Placement:
 
 
 def initial_part(part: Part, param: Param, seed: int) -> np.ndarray:
-    """The part's rows of the parameter's deterministic initial value."""
-    full = param.initial_value(seed)
-    return np.ascontiguousarray(full if not part.shape or (part.start == 0 and part.stop == full.shape[0]) else full[part.start:part.stop])
+    """The part's rows of the parameter's deterministic initial value (only those rows are made)."""
+    return param.initial_value(seed) if not part.shape else param.initial_rows(seed, part.start, part.stop)
 
 
 def route_rows(parts: list[Part], ids: np.ndarray) -> list[tuple[Part, np.ndarray, np.ndarray]]:

@@ -153,6 +153,7 @@ class Worker:
         self.shard_clocks = [0] * len(self.clients)  # per shard: its count of this worker's pushes
         self.last_loss = math.nan
         self.steps_done = 0
+        self.step_times: list[float] = []
         if pipeline is None:
             pipeline = ProcessSettings().pipeline
         self.pipeline = pipeline and self.mode is not ConsistencyMode.SYNC and not self.sparse
@@ -276,6 +277,7 @@ class Worker:
         m.steps.inc()
         m.examples.inc(batch)
         m.step_seconds.observe(time.perf_counter() - t_step)
+        self.step_times.append(time.perf_counter() - t_step)
 
     def train_step(self) -> None:
         t_step = time.perf_counter()
@@ -347,10 +349,20 @@ class Worker:
             out[p.name] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return out
 
+    def step_summary(self) -> dict | None:
+        """This worker's step times after the first tenth of its steps (start-up, tracing)."""
+        times = self.step_times[max(2, len(self.step_times) // 10):]
+        if not times:
+            return None
+        return {"steps": len(times), "median": float(np.median(times)), "max": float(np.max(times))}
+
     def finish(self, export_path: str | None = None) -> dict:
-        params = self.full_params()
-        result = {"worker": self.index, "steps": self.versions[0], "loss": self.last_loss, "accuracy": None}
-        if self.test is not None and len(self.test):
+        evaluate_now = self.test is not None and len(self.test) > 0
+        # the whole model (embedding tables too) comes over only when something needs it
+        params = self.full_params() if evaluate_now or export_path else {}
+        result = {"worker": self.index, "steps": self.versions[0], "loss": self.last_loss, "accuracy": None,
+                  "step_seconds": self.step_summary()}
+        if evaluate_now:
             result.update(evaluate(self.model, params, self.test))
             self.metrics.eval_accuracy.set(result["accuracy"])
             if "auc" in result:

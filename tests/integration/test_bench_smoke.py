@@ -1,9 +1,11 @@
 """`tfps bench --quick`: the whole benchmark end to end, in its shortest mode.
 
 Real processes on 127.0.0.1: TensorFlow's ParameterServerStrategy (tf.distribute.Server
-per task), the compute-only ceiling, `tfps local` in async and sync mode, a `tfps ps` for
-the goodput pair. Checks what a user reads: every row of the report with numeric rates
-and ratios, and each goal marked met or missed. No timing is asserted.
+per task; Keras 2 for the embedding shape), the bytes-inclusive limit, the compute-only
+ceiling, `tfps local` in async and sync mode, the wide-deep model on a small vocabulary with
+SGD, Adam and Adam while checkpointing, a `tfps ps` for the goodput pair. Checks what a user
+reads: every row of the report with numeric rates, bytes and memory, and each goal marked met
+or missed. No timing is asserted.
 """
 import json
 import math
@@ -14,7 +16,7 @@ import pytest
 
 from tfps.bench import report
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
 
 def _numeric(value) -> bool:
@@ -25,7 +27,7 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     out_file = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tfps.cli.main", "bench", "--quick", "--shapes", "670k", "--output", str(out_file)],
-        capture_output=True, text=True, timeout=840,
+        capture_output=True, text=True, timeout=1440,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -35,7 +37,10 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
         assert rdef.label in text
     assert "tfps PS push+pull / raw TCP" in text
     assert "669,706" in text  # the 5.8M shape runs the same code; the full `tfps bench` measures it
-    assert "goal ≥ 1.6×" in text and "goal ≥ 1×" in text and "goal ≥ 0.75×" in text and "goal ≥ 0.4×" in text
+    assert "goal ≥ 1.6×" in text and "goal ≥ 1×" in text and "goal ≥ 0.85×" in text and "goal ≥ 0.4×" in text
+    for label in [*report.EMBEDDING_SYSTEMS.values(), *(r.label for r in report.EMBEDDING_RATIOS)]:
+        assert label in text
+    assert "goal ≤ 1.2×" in text and "goal ≤ 1.3×" in text and "goal ≥ 10×" in text
     assert "0 not measured" in text
 
     # the same report as JSON
@@ -45,7 +50,7 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     for name, shape in out["shapes"].items():
         assert len(shape["repeats"]) == 1
         for system in report.SYSTEMS:
-            assert _numeric(shape["median_examples_per_second"][system]), (name, system)
+            assert _numeric(shape["medians"][system]), (name, system)
         for rdef in report.RATIOS:
             entry = shape["ratios"][rdef.key]
             assert _numeric(entry["median"]), (name, rdef.key)
@@ -57,5 +62,14 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     assert _numeric(goodput["median_mib_per_second"]["tfps"])
     assert _numeric(goodput["ratio"]["median"]) and goodput["ratio"]["met"] in (True, False)
     assert out["goals"]["not_measured"] == 0
-    assert out["goals"]["met"] + out["goals"]["missed"] == 6  # 5 for the 670k shape, 1 for goodput
+    (emb,) = out["embedding"]["shapes"].values()
+    for system in report.EMBEDDING_SYSTEMS:
+        assert _numeric(emb["medians"][system]), system
+    for key in ("tfps_sgd:wire_bytes_per_step", "tfps_adam:ps_peak_rss", "tfps_adam:worker_peak_rss", "limit:bytes_per_step",
+                "tfps_adam_ckpt:longest_step", "state_adam:shard"):
+        assert _numeric(emb["medians"][key]), key
+    for rdef in report.EMBEDDING_RATIOS:
+        assert _numeric(emb["ratios"][rdef.key]["median"]), rdef.key
+    # 5 for the 670k shape, 8 for the embedding shape, 1 for goodput
+    assert out["goals"]["met"] + out["goals"]["missed"] == 14
     assert _numeric(goodput["median_mib_per_second"]["grpc_echo"])

@@ -1,0 +1,111 @@
+"""The large-embedding benchmark shapes: tfps's built-in `wide-deep` click model with a big table.
+
+Power-law id frequencies (the model's own generator), batch 512 per worker, 2 workers, async,
+the tables partitioned by rows over 2 PS. Every side trains the same `ModelDef`'s forward
+pass on the same synthetic examples; the anchors feed them through tf.data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from .procs import Repeat, child_env, module_cmd, run_json
+
+MODEL = "wide-deep"
+OPTIMIZERS = ("sgd", "adam")
+SLOTS = {"sgd": 0, "adam": 2}
+
+
+@dataclass(frozen=True)
+class EmbeddingShape:
+    name: str
+    vocab: int  # rows of the embedding (and of the wide) table
+    dim: int = 64
+    fields: int = 8
+    dense_dim: int = 8
+    hidden: tuple[int, ...] = (64, 32)
+    batch: int = 512
+    workers: int = 2
+    ps: int = 2
+    model = MODEL
+
+    @property
+    def model_args(self) -> dict:
+        """`spec.training.modelArgs` of the built-in `wide-deep` (no test split: nothing to evaluate)."""
+        return {"vocabSize": self.vocab, "fields": self.fields, "embeddingDim": self.dim, "denseDim": self.dense_dim,
+                "hidden": list(self.hidden), "testSamples": 0}
+
+    @property
+    def rows(self) -> int:
+        return self.vocab // self.fields * self.fields
+
+    @property
+    def params(self) -> int:
+        dims = [self.fields * self.dim + self.dense_dim, *self.hidden, 1]
+        return self.rows * (self.dim + 1) + sum(i * o + o for i, o in zip(dims[:-1], dims[1:], strict=False))
+
+    def state_bytes(self, optimizer: str) -> int:
+        """Parameters and optimizer slots, float32, all PS together."""
+        return self.params * 4 * (1 + SLOTS[optimizer])
+
+
+SHAPES = {
+    "2M": EmbeddingShape("2M", 2_000_000),
+    "10M": EmbeddingShape("10M", 10_000_000),
+}
+QUICK_SHAPE = EmbeddingShape("20k", 20_000, dim=16)
+
+
+def load(shape: EmbeddingShape, seed: int = 0):
+    from tfps.runtime.models import load_model
+
+    return load_model(MODEL, shape.model_args, seed)
+
+
+ADAM_LEARNING_RATE = 0.001  # Adam's, the same on every side (SGD takes the bench's --learning-rate)
+TFPS_FIGURES = ("wire_bytes_per_step", "ps_peak_rss", "worker_peak_rss", "longest_step", "median_step")
+ANCHOR_STARTUP_S = 240.0  # the anchor's servers on a busy machine, and TF's first steps on a large table
+
+
+def shard_state_bytes(shape: EmbeddingShape, optimizer: str) -> int:
+    """Parameters and slots of the most loaded PS (runtime/sharding.py's placement)."""
+    from tfps.runtime.sharding import place
+
+    return max(place(load(shape).params, shape.ps).load()) * 4 * (1 + SLOTS[optimizer])
+
+
+def measure_anchor(shape: EmbeddingShape, optimizer: str, learning_rate: float, cfg: dict) -> dict:
+    from .anchor_tf_embedding import ENV, MODULE
+
+    cmd = module_cmd(MODULE, "--vocab", str(shape.vocab), "--dim", str(shape.dim), "--optimizer", optimizer,
+                     "--batch", str(shape.batch), "--workers", str(shape.workers), "--ps", str(shape.ps),
+                     "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
+                     "--learning-rate", str(learning_rate))
+    timeout = ANCHOR_STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"])
+    return run_json(cmd, timeout, f"TF strategy ({shape.name}, {optimizer})", env=child_env(ENV))
+
+
+def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool) -> tuple[dict, list[str]]:
+    """One repeat of one embedding shape, back to back: the bytes-inclusive limit, then per
+    optimizer TF's strategy and tfps async; with `checkpoints`, tfps async Adam once more while
+    checkpoints are written (about three in the run), for its longest step."""
+    from . import limit, tfps_side
+
+    rep = Repeat(shape.name, progress, {})
+    rep.attempt("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",))
+    for optimizer in OPTIMIZERS:
+        rep.row[f"state_{optimizer}:shard"] = shard_state_bytes(shape, optimizer)
+        lr = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
+        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, lr, cfg))
+        key = f"tfps_{optimizer}"
+        rate = hints.get(key) or 0.8 * (rep.row.get("limit") or 20_000.0)
+        examples = rate * (cfg["seconds"] + cfg["warmup_seconds"]) * 1.15
+        run = partial(tfps_side.measure, shape, "async", examples, rate, lr, optimizer=optimizer)
+        rep.attempt(key, run, TFPS_FIGURES)
+        if rep.row.get(key):
+            hints[key] = rep.row[key]
+        if checkpoints and optimizer == "adam":
+            every = max(10, tfps_side.steps_for("async", shape, examples) // 4)
+            rep.attempt("tfps_adam_ckpt", partial(run, every_steps=every), TFPS_FIGURES)
+            rep.row["tfps_adam_ckpt:every_steps"] = every
+    return rep.row, rep.errors

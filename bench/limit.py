@@ -1,0 +1,173 @@
+"""Anchor: the bytes-inclusive limit.
+
+`python -m tfps.bench.limit --model mlp --model-args '{"hidden": [512, 512]}' --batch 128`
+starts the same number of worker processes as the PS runs, each computing gradients the
+way a tfps worker does (tfps's grad_fn on the same `ModelDef`, batches and parameters as
+tensors), and moving each step's bytes over a plain TCP socket to a process that only
+answers: the push (every dense gradient, and the touched rows' gradients of each embedding
+table) out, the pull (every dense parameter, and the rows the next batch touches) back.
+No optimizer, no framing beyond a length. Prints one JSON line: the aggregate examples/s
+and the bytes moved per step. The PS cannot do better than this with the same bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import struct
+import sys
+import threading
+
+from .procs import LOOPBACK, module_cmd, run_json, run_together, timed_window, child_or_orchestrator
+
+MODULE = "tfps.bench.limit"
+STARTUP_S = 150.0  # allowance for starting the processes on a busy machine
+_HEADER = struct.Struct("<QQ")  # push bytes that follow, pull bytes wanted back
+
+
+def answer(conn: socket.socket) -> None:
+    """Read each push whole, send back as many bytes as asked for; until the peer closes."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    inbox, outbox = bytearray(1 << 20), bytes(1 << 20)
+    header = bytearray(_HEADER.size)
+    while _recv_exact(conn, memoryview(header)):
+        push, pull = _HEADER.unpack(header)
+        if push > len(inbox):
+            inbox = bytearray(push)
+        if pull > len(outbox):
+            outbox = bytes(pull)
+        if not _recv_exact(conn, memoryview(inbox)[:push]):
+            return
+        conn.sendall(memoryview(outbox)[:pull])
+
+
+def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def serve(listener: socket.socket) -> None:
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+
+class Exchange:
+    """One worker's side: send the push's arrays, receive the pull into an aligned buffer."""
+
+    def __init__(self, port: int):
+        self.conn = socket.create_connection((LOOPBACK, port))
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.moved = 0
+
+    def __call__(self, push: list, pull_bytes: int):
+        from tfps.runtime import wire
+
+        views = [memoryview(a).cast("B") for a in push]
+        self.conn.sendall(_HEADER.pack(sum(len(v) for v in views), pull_bytes))
+        for view in views:
+            self.conn.sendall(view)
+        buf = wire.aligned_empty(pull_bytes)
+        if not _recv_exact(self.conn, memoryview(buf)):
+            raise ConnectionError("the answering process went away")
+        self.moved += sum(len(v) for v in views) + pull_bytes
+        return buf
+
+
+def child(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from tfps.runtime.models import BatchSource, load_model
+    from tfps.runtime.worker import make_grad_fn
+    from tfps.runtime.zerocopy import as_tensor
+
+    model = load_model(args.model, json.loads(args.model_args), args.seed)
+    train, _ = model.data()
+    batches = BatchSource(train, args.seed, args.batch, args.index, args.workers)
+    grad_fn = make_grad_fn(model)
+    dense = [p for p in model.params if not p.sparse]
+    tables = model.sparse_params
+    exchange = Exchange(args.port)
+    state = {"step": 0}
+
+    def unique_ids(step: int):
+        x, y = batches(step)
+        out = dict(x)
+        uniq = {}
+        for feature in {t.feature for t in tables}:
+            uniq[feature], inverse = np.unique(x[feature].reshape(-1), return_inverse=True)
+            out[feature] = inverse.reshape(x[feature].shape).astype(np.int64)
+        return out, y, uniq
+
+    def pull(push: list, uniq: dict) -> dict:
+        """The parameters for the next step, as views of the received bytes."""
+        shapes = [(p.name, p.shape) for p in dense] + [(t.name, (len(uniq[t.feature]), *t.shape[1:])) for t in tables]
+        sizes = [int(np.prod(s)) for _, s in shapes]
+        buf = exchange(push, 4 * sum(sizes)).view(np.float32)
+        offsets = np.cumsum([0, *sizes])
+        return {name: as_tensor(buf[a:b].reshape(shape)) for (name, shape), a, b in zip(shapes, offsets[:-1], offsets[1:], strict=True)}
+
+    x, y, uniq = unique_ids(0)
+    params = pull([], uniq)
+
+    def step() -> None:
+        nonlocal x, y, uniq, params
+        _, grads = grad_fn(params, {k: as_tensor(v) for k, v in x.items()}, as_tensor(y))
+        push = [np.asarray(grads[p.name]) for p in dense] + [np.asarray(grads[t.name]) for t in tables]
+        state["step"] += 1
+        x, y, uniq = unique_ids(state["step"])  # the rows the next batch needs ride along, as in tfps
+        params = pull(push, uniq)
+
+    moved_before = exchange.moved
+    steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)
+    per_step = (exchange.moved - moved_before) / max(1, state["step"])
+    print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed,
+                      "bytes_per_step": per_step}), flush=True)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    listener = socket.create_server((LOOPBACK, 0))
+    threading.Thread(target=serve, args=(listener,), daemon=True).start()
+    base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
+            "--workers", str(args.workers), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
+            "--seed", str(args.seed), "--port", str(listener.getsockname()[1])]
+    results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
+    return {
+        "system": "limit",
+        "examples_per_second": sum(r["examples_per_second"] for r in results),
+        "per_worker": [r["examples_per_second"] for r in results],
+        "bytes_per_step": sum(r["bytes_per_step"] for r in results) / len(results),
+        "seconds": max(r["seconds"] for r in results),
+        "workers": args.workers,
+    }
+
+
+def run(shape, cfg: dict) -> dict:
+    """Measure the limit for a benchmark shape (bench/mlp.py's or bench/embedding.py's)."""
+    cmd = module_cmd(MODULE, "--model", shape.model, "--model-args", json.dumps(shape.model_args), "--batch", str(shape.batch),
+                     "--workers", str(shape.workers), "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]))
+    return run_json(cmd, STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"]), f"limit ({shape.name})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", help="a tfps built-in model")
+    parser.add_argument("--model-args", default="{}", help="its spec.training.modelArgs, as JSON")
+    parser.add_argument("--batch", type=int, default=128, help="per worker")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--warmup-seconds", type=float, default=3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    return child_or_orchestrator(parser.parse_args(argv), child, measure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
