@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import datetime, timezone
 from collections import Counter
 import ssl
 import subprocess
@@ -27,7 +28,7 @@ from support import samples, wait_for
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(540)]
 
 CHART = REPO / "charts" / "tfps"
 APPLIED = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "KopfPeering",
@@ -92,6 +93,16 @@ def test_operator_with_the_chart_token_runs_a_job_lifecycle(namespaced_identity,
     ident = namespaced_identity
     as_operator = dataclasses.replace(ident.cluster, env={**ident.cluster.env, "KUBECONFIG": str(ident.kubeconfig)})
     op = OperatorHarness(as_operator, namespace, tmp_path)  # the test's own calls stay admin (cluster.api)
+    # The count below is the API server's, for every client: first let the namespaces that earlier
+    # tests deleted finish terminating (the controller-manager is refused writes into them).
+    core = client.CoreV1Api(ident.cluster.api)
+
+    def recently_deleted() -> list[str]:  # (an older one stuck on a finalizer is nobody's churn now)
+        now = datetime.now(timezone.utc)
+        return [n.metadata.name for n in core.list_namespace().items if n.status.phase == "Terminating"
+                and n.metadata.deletion_timestamp and (now - n.metadata.deletion_timestamp).total_seconds() < 600]
+
+    wait_for("namespaces deleted by earlier tests gone", lambda: not recently_deleted(), timeout=240, interval=1)
     refused_before = _refused_requests(ident.cluster.api)
     op.start(f"--peering={ident.peering()}", config=ident.operator_config)
     try:
