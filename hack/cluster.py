@@ -236,6 +236,17 @@ def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
     return proc.pid
 
 
+def stop_child(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """Stop a process this one started: SIGTERM, then SIGKILL after `timeout` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop(p: Paths, comp: str, timeout: float = 15.0) -> None:
     pid = recorded_pid(p, comp)
     if pid is None:

@@ -271,16 +271,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _wait_ready(handle: Kueue, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not (_ready(handle.health_port) and _webhooks_answer(handle.kubeconfig)):
@@ -318,7 +308,7 @@ def running(kubeconfig: str | Path, log_path: str | Path, timeout: float = 120) 
             yield handle
         finally:
             remove_webhooks(kubeconfig)
-            _stop(proc)
+            cluster.stop_child(proc, timeout=20)
     finally:
         strip_finalizers(kubeconfig)
         remove_crds(kubeconfig)

@@ -179,12 +179,7 @@ def running(kubeconfig: str | Path, nodes: list[dict], log_path: str | Path, tim
         yield proc
     finally:
         delete_nodes(p, names)  # only its own: another kwok may run beside it with other nodes
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        cluster.stop_child(proc)
         if not _kwok_running():
             _route("del")
 

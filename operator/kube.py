@@ -47,6 +47,17 @@ def _done(resp) -> None:
     resp.release_conn()
 
 
+def _unless_gone(call, *args, **kwargs) -> bool:
+    """Make a call about one object; False when the object does not exist (404)."""
+    try:
+        _done(call(*args, _preload_content=False, _request_timeout=TIMEOUT, **kwargs))
+        return True
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+
+
 class Kube:
     def __init__(self, api: client.ApiClient):
         self.core = client.CoreV1Api(api)
@@ -121,24 +132,12 @@ class Kube:
 
     def patch_pod(self, namespace: str, name: str, patch: dict) -> bool:
         """A JSON merge patch (lists replaced whole: a pod's finalizers); False when the pod is gone."""
-        try:
-            _done(self.core.patch_namespaced_pod(name, namespace, patch, _content_type="application/merge-patch+json",
-                                                 _preload_content=False, _request_timeout=TIMEOUT))
-            return True
-        except ApiException as err:
-            if err.status == 404:
-                return False
-            raise
+        return _unless_gone(self.core.patch_namespaced_pod, name, namespace, patch,
+                            _content_type="application/merge-patch+json")
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
-        try:
-            _done(self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds,
-                                                  _preload_content=False, _request_timeout=TIMEOUT))
-            return True
-        except ApiException as err:
-            if err.status == 404:
-                return False
-            raise
+        """False when the pod was already gone."""
+        return _unless_gone(self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=grace_seconds)
 
     def delete_children(self, namespace: str, job: str, job_uid: str, map_=map) -> int:
         """Delete the pods and the Service of a job being deleted (only those it owns)."""

@@ -2,6 +2,7 @@
 running as a real process (killable, restartable) against the local control plane."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -184,17 +185,12 @@ def kwok_nodes(cluster, tmp_path):
     """Starts kwok (hack/kwok.py) with the given fake nodes, for the rest of the test:
     `kwok_nodes([kwok.node_manifest(...), ...])`. Stopped, and its nodes deleted, afterwards."""
     kwok = hack_module("kwok")
-    stack = []
+    with contextlib.ExitStack() as stack:
+        def start(nodes: list[dict]):
+            stack.enter_context(kwok.running(cluster.kubeconfig, nodes, tmp_path / "kwok.log"))
+            return kwok
 
-    def start(nodes: list[dict]):
-        ctx = kwok.running(cluster.kubeconfig, nodes, tmp_path / "kwok.log")
-        ctx.__enter__()
-        stack.append(ctx)
-        return kwok
-
-    yield start
-    for ctx in reversed(stack):
-        ctx.__exit__(None, None, None)
+        yield start
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -56,6 +56,16 @@ def _blocker(kwok, name: str, node: str) -> dict:
     return {"metadata": {"name": name}, "spec": spec}
 
 
+def _restart_operator(op, gang: str) -> None:
+    """The test's operator, started again with `scheduling.gang` set to `gang`."""
+    op.stop_all()
+    op.start(config={"scheduling": {"gang": gang}})
+
+
+def _pod_names(job: str) -> set[str]:
+    return {f"{job}-ps-{i}" for i in range(2)} | {f"{job}-worker-{i}" for i in range(WORKERS)}
+
+
 class Program:
     """The training program's side: completes a job's workers once all its pods run."""
 
@@ -114,7 +124,7 @@ def _busy_cluster_then_job_a(op, kwok) -> None:
     wait_for("blockers running", lambda: all(
         op.core.read_namespaced_pod(f"blocker-{i}", op.namespace).status.phase == "Running" for i in range(2)), 60)
     op.create(_job(kwok, "job-a", None))
-    op.wait_pods("job-a", {f"job-a-ps-{i}" for i in range(2)} | {f"job-a-worker-{i}" for i in range(WORKERS)}, 60)
+    op.wait_pods("job-a", _pod_names("job-a"), 60)
     op.core.delete_namespaced_pod("blocker-0", op.namespace, grace_period_seconds=0)
     wait_for("4 GPUs free", lambda: "blocker-0" not in {p.metadata.name for p in op.core.list_namespaced_pod(op.namespace).items}, 60)
     # Job B comes a while later. (Kubernetes 1.35's gang plugin times a gang's wait from its first
@@ -125,7 +135,7 @@ def _busy_cluster_then_job_a(op, kwok) -> None:
 
 def _job_b_arrives_then_the_rest_frees_up(op, kwok, program: Program, priority: str) -> None:
     op.create(_job(kwok, "job-b", priority))
-    op.wait_pods("job-b", {f"job-b-ps-{i}" for i in range(2)} | {f"job-b-worker-{i}" for i in range(WORKERS)}, 60)
+    op.wait_pods("job-b", _pod_names("job-b"), 60)
     wait_for("job B's workers tried and found no GPU", lambda: len(program.unschedulable_workers("job-b")) == WORKERS, 120)
     # Past the scheduler's longest retry back-off (10 s), every pending worker is waiting for a
     # change in the cluster, so the freed GPUs go by priority (B first), not by whose back-off ends first.
@@ -137,8 +147,7 @@ def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_ope
     """The anchor: the same cluster and jobs with gang scheduling off. Each job ends up holding
     4 of the 6 GPUs it needs, the rest of its workers cannot be placed, and no GPU is left."""
     op = tfps_operator
-    op.stop_all()
-    op.start(config={"scheduling": {"gang": "none"}})
+    _restart_operator(op, "none")
     kwok = kwok_nodes(_nodes(hack_module("kwok")))
     program = Program(op, kwok)
 
@@ -169,8 +178,7 @@ def test_workload_api_gang_runs_one_job_whole_then_the_other(tfps_operator, kwok
     complete hold what it has reserved for up to 5 minutes before it gives it back, so the first
     job may take that long to be bound."""
     op = tfps_operator
-    op.stop_all()
-    op.start(config={"scheduling": {"gang": "auto"}})
+    _restart_operator(op, "auto")
     kwok = kwok_nodes(_nodes(hack_module("kwok")))
     program = Program(op, kwok)
 
@@ -199,8 +207,7 @@ def test_live_scale_up_keeps_the_gang(tfps_operator, kwok_nodes):
     """A running gang that scales up: the new worker is bound as it fits, the running pods stay
     (same pods, same nodes), and the Workload is left as it is."""
     op = tfps_operator
-    op.stop_all()
-    op.start(config={"scheduling": {"gang": "workload"}})
+    _restart_operator(op, "workload")
     kwok = kwok_nodes(_nodes(hack_module("kwok")))
     body = job_manifest("grow", ps=1, workers=2, template=_template(kwok))
     body["spec"]["runPolicy"] = {"schedulingPolicy": {}}
@@ -240,8 +247,7 @@ def test_podgroups_match_the_published_crds(tfps_operator, cluster, backend):
     group = yaml.safe_load(crd.read_text())["spec"]["group"]
     cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/podgroups.{group}")
     op = tfps_operator
-    op.stop_all()
-    op.start(config={"scheduling": {"gang": backend}})
+    _restart_operator(op, backend)
     body = job_manifest("pg", ps=1, workers=2)
     body["spec"]["runPolicy"] = {"schedulingPolicy": {"minAvailable": 3, "queue": "research", "scheduleTimeoutSeconds": 90}}
     op.create(body)
