@@ -7,8 +7,6 @@ worker recreated into the group Kueue already admitted, and a suspended job's qu
 resumed run queued as a new group."""
 from __future__ import annotations
 
-import contextlib
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -46,49 +44,21 @@ def _job(name: str, worker_succeeds_after: str | None, queue_label: bool) -> dic
     return body
 
 
-# kwok's fake node for this test alone: its own label, so the kwok of another test (which deletes
-# the nodes of hack/kwok.py's label when it stops) and this one leave each other's nodes alone.
+# kwok's fake node for these tests alone: a label of its own, so another test's kwok (one per
+# label, hack/kwok.py) never plays or deletes it. Its pods get addresses in kwok.POD_CIDR, which
+# the operator dials to read a PS pod's metrics: hack/kwok.py routes that block nowhere.
 NODE = "kwok-kueue-0"
 NODE_LABEL = ("tfps.io/kueue-test-node", "true")
 
 
 def _placement() -> dict:
-    return {"nodeSelector": {NODE_LABEL[0]: NODE_LABEL[1]},
-            "tolerations": [{"key": kwok.TAINT["key"], "operator": "Exists", "effect": kwok.TAINT["effect"]}]}
+    return kwok.placement(NODE_LABEL)
 
 
-@contextlib.contextmanager
 def _kwok_node(cluster, log_path: Path):
-    """kwok (hack/kwok.py's stages) playing the kubelet of one node with 8 CPUs and 32Gi. Pods on it
-    get addresses in kwok.POD_CIDR, which the operator dials to read a PS pod's metrics: the route
-    that sends that block nowhere is put in place and left there (another kwok may rely on it)."""
-    node = kwok.node_manifest(NODE, cpu="8", memory="32Gi")
-    node["metadata"]["labels"] = {NODE_LABEL[0]: NODE_LABEL[1], "kubernetes.io/hostname": NODE}
-    config = kwok.write_config(log_path.with_suffix(".stages.yaml"))
-    argv = [a if not a.startswith("--manage-nodes-with-label-selector=") else
-            f"--manage-nodes-with-label-selector={NODE_LABEL[0]}={NODE_LABEL[1]}"
-            for a in kwok.argv(cluster.kubeconfig, config)]
-    subprocess.run(["ip", "route", "replace", "blackhole", kwok.BLACKHOLE], check=True)
-    core = client.CoreV1Api(cluster.api)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        core.create_node(node)
-        wait_for("the kwok node Ready", lambda: any(
-            c.type == "Ready" and c.status == "True" for c in core.read_node(NODE).status.conditions or []), timeout=60)
-        yield NODE
-    finally:
-        try:
-            core.delete_node(NODE)
-        except ApiException as err:
-            if err.status != 404:
-                raise
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """kwok playing the kubelet of one node with 8 CPUs and 32Gi."""
+    node = kwok.node_manifest(NODE, cpu="8", memory="32Gi", label=NODE_LABEL)
+    return kwok.running(cluster.kubeconfig, [node], log_path, label=NODE_LABEL)
 
 
 @pytest.fixture(scope="module")
