@@ -6,7 +6,7 @@ limits raised), on the same control plane, the same nodes, with the same pod tem
     python -m tfps.bench.operator_scale [--jobs 300] [--runs 3] [--sides tfps,stock,raised]
         [--succeed-after 30s] [--json FILE]
 
-Needs the control plane up (hack/cluster.sh up), kwok built (hack/build-cluster.sh) and the
+Needs the control plane up (hack/cluster.sh up; the benchmark applies both CRDs), kwok built (hack/build-cluster.sh) and the
 anchor built (hack/build-training-operator.sh). The real scheduler binds the pods to the
 benchmark's own kwok nodes (operator_kwok.py; 30 × 128 CPU, 512Gi, 96 GPUs); kwok plays the kubelet: pods run at once and workers end Succeeded after
 --succeed-after; each operator then marks its job Succeeded and deletes the PS pods (clean pod
@@ -316,8 +316,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for key in order:
         if key != "tfps" and not anchor.binary(key == "raised").exists():
             raise SystemExit(f"{anchor.binary(key == 'raised')} is missing: run hack/build-training-operator.sh")
+    kubectl = shutil.which("kubectl") or str(kwok.cluster.binary("kubectl"))
+    if "tfps" in order:
+        anchor.install_crd(kubectl, args.kubeconfig, REPO / "crds" / "trainingjob.yaml", f"{TFPS[2]}.{TFPS[0]}")
     if any(k != "tfps" for k in order):
-        anchor.install_crd(shutil.which("kubectl") or str(kwok.cluster.binary("kubectl")), args.kubeconfig)
+        anchor.install_crd(kubectl, args.kubeconfig)
     identity_ns = _new_namespace(core, "bench-scale-identity")
     log_dir = Path(tempfile.mkdtemp(prefix="tfps-bench-scale-"))
     runs: list[dict[str, Any]] = []

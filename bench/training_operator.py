@@ -46,15 +46,16 @@ def crd_path() -> Path:
     return Path(json.loads(out.stdout)["Dir"]) / "manifests" / "base" / "crds" / "kubeflow.org_tfjobs.yaml"
 
 
-def install_crd(kubectl: str, kubeconfig: str) -> None:
-    subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", "apply", "--server-side", "--force-conflicts", "-f", str(crd_path())],
+def install_crd(kubectl: str, kubeconfig: str, path: Path | None = None, name: str = f"{PLURAL}.{GROUP}") -> None:
+    """Apply a CRD (the TFJob one unless `path` is given) and wait until it is Established."""
+    subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", "apply", "--server-side", "--force-conflicts", "-f", str(path or crd_path())],
                    check=True, capture_output=True, text=True)
     for _ in range(30):  # kubectl's discovery may not list it yet right after the apply
         if subprocess.run([kubectl, f"--kubeconfig={kubeconfig}", "wait", "--for=condition=Established", "--timeout=60s",
-                           f"crd/{PLURAL}.{GROUP}"], capture_output=True, text=True).returncode == 0:
+                           f"crd/{name}"], capture_output=True, text=True).returncode == 0:
             return
         time.sleep(1)
-    raise RuntimeError(f"the CRD {PLURAL}.{GROUP} is not Established")
+    raise RuntimeError(f"the CRD {name} is not Established")
 
 
 def tfjob(name: str, ps: int, workers: int, templates: dict[str, dict], clean_pod_policy: str = "Running") -> dict[str, Any]:

@@ -4,11 +4,13 @@ Blocking code, run in the operator's worker threads, one job at a time per job.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from tfps.api import naming
 from tfps.api.spec import ReplicaType, TrainingJob
 
 from . import builders, gang, kueue, progress, security
@@ -16,6 +18,7 @@ from .calls import CREATE, OTHER, Key, PriorityPool, job_key
 from .config import OperatorConfig
 from .kube import Kube
 from .metrics import OperatorMetrics
+from .podcache import PodCache, version
 from .reconcile import Plan, plan
 from .status import merge_patch, timestamp
 
@@ -35,55 +38,90 @@ class Controller:
         # parallel (a 2 PS + 8 worker job is 13 calls), creations before other calls, and
         # older jobs' before newer ones' (calls.py).
         self._calls = PriorityPool(config.reconcile_workers, "tfps-api")
+        self.pods = PodCache()
+        self._written: dict[tuple[str, str], dict] = {}  # each job as our last status write returned it
 
-    def reconcile(self, namespace: str, name: str, created: str | None = None, new_body: dict | None = None) -> Outcome | None:
+    def _newest(self, job: tuple[str, str], live: dict) -> dict:
+        """The watch's view of the job, unless our own last status write is newer than it."""
+        written = self._written.get(job)
+        return written if written is not None and version(written) > version(live) else live
+
+    def forget(self, namespace: str, name: str) -> None:
+        """The job is gone: nothing kept about it."""
+        self.pods.drop((namespace, name))
+        self._written.pop((namespace, name), None)
+
+    def reconcile(self, namespace: str, name: str, created: str | None = None, new_body: dict | None = None,
+                  live_body: dict | None = None) -> Outcome | None:
         """One level-based pass; None when the job is gone or being deleted. `created`: the
         job's creationTimestamp, which orders its calls among other jobs'. `new_body`: a job
-        never reconciled (no status), as the watch just brought it."""
+        never reconciled (no status), as the watch just brought it. `live_body`: the job as the
+        watch last brought it, given when an event woke the pass: then the pods come from the
+        pod cache and nothing is read; without it, or with no pods cached, the pass reads both."""
         started = time.perf_counter()
         age = job_key(created, namespace, name)
         key = (OTHER, *age)
-        if new_body is not None:
-            # No reads: a new job has no pods, unless an operator died while creating them; those
-            # answer 409 below (no duplicate), and then the next pass reads everything.
-            body, pods = new_body, []
-        else:
-            # Both reads at once: they are independent, and the previous pass's writes are done.
-            job_read = self._calls.submit(key, self.kube.get_job, namespace, name)
-            pods_read = self._calls.submit(key, self.kube.list_pods, namespace, name)
-            body = job_read.result()
-            pods = pods_read.result()
+        job = (namespace, name)
+        body, pods = self._read(key, job, new_body, live_body)
         if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(namespace, name)
             return None
         result = plan(body, pods, datetime.now(timezone.utc))
-        ctx = f"{namespace}/{name}"
 
         if result.create:  # first: the time to all pods created is what users wait for
             created_all = self._create((CREATE, *age), body, result)
-            if new_body is not None and not created_all:
-                result.requeue(0)
+            if not created_all:  # some existed that this pass did not see: the next one reads them
+                self.pods.drop(job)
+                if new_body is not None:
+                    result.requeue(0)
         old = {k: v for k, v in (body.get("status") or {}).items() if k != "progress"}
         patch = merge_patch(old, result.status)
         if patch:  # before the deletions, so a restart is counted even if we die right after
-            self._calls.submit(key, self.kube.patch_job_status, namespace, name, patch).result()
+            self._written[job] = self._calls.submit(key, self.kube.patch_job_status, namespace, name, patch).result()
         if kueue.enabled(self.config):  # Kueue's pod group first (operator/kueue.py)
             self._release_kueue_group(key, namespace, pods, body, result)
+        self._delete_pods(key, job, result)
+        if result.delete_job:
+            self._calls.submit(key, self.kube.delete_job, namespace, name).result()
+            log.info("%s/%s: deleted after ttlSecondsAfterFinished", namespace, name)
+        self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        return Outcome(body=body, plan=result)
+
+    def _read(self, key: Key, job: tuple[str, str], new_body: dict | None, live_body: dict | None) -> tuple[dict | None, list[dict]]:
+        """The job and its pods for one pass (see reconcile)."""
+        cached = self.pods.pods(job) if live_body is not None else None
+        if new_body is not None:
+            # No reads: a new job has no pods, unless an operator died while creating them; those
+            # answer 409 (no duplicate), and then the next pass reads everything.
+            self.pods.replace(job, [], None)
+            return new_body, []
+        if cached is not None:
+            return self._newest(job, copy.deepcopy(live_body)), cached
+        # Both reads at once: they are independent, and the previous pass's writes are done.
+        job_read = self._calls.submit(key, self.kube.get_job, *job)
+        pods_read = self._calls.submit(key, self.kube.pod_list, *job)
+        body = job_read.result()
+        pods, version_ = pods_read.result()
+        self.pods.replace(job, pods, version_)
+        return body, pods
+
+    def _delete_pods(self, key: Key, job: tuple[str, str], result: Plan) -> None:
+        """The pods the plan restarts (deleted to be recreated) and those it deletes."""
+        namespace = job[0]
         for pod_name in result.restart:
             # Its containers have exited: no grace period to wait for.
             if self._calls.submit(key, self.kube.delete_pod, namespace, pod_name, 0).result():
+                self.pods.mark_deleting(job, pod_name)
                 self.metrics.pods_restarted.inc()
                 self.metrics.pods_deleted.inc()
-                log.info("%s: restarting pod %s", ctx, pod_name)
+                log.info("%s/%s: restarting pod %s", *job, pod_name)
         deleted = [n for n, ok in zip(result.delete, self._calls.map(
             key, lambda n: self.kube.delete_pod(namespace, n), result.delete), strict=True) if ok]
+        for pod_name in deleted:
+            self.pods.mark_deleting(job, pod_name)
         self.metrics.pods_deleted.inc(len(deleted))
         if deleted:
-            log.info("%s: deleted pods %s", ctx, ", ".join(deleted))
-        if result.delete_job:
-            self._calls.submit(key, self.kube.delete_job, namespace, name).result()
-            log.info("%s: deleted after ttlSecondsAfterFinished", ctx)
-        self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
-        return Outcome(body=body, plan=result)
+            log.info("%s/%s: deleted pods %s", *job, ", ".join(deleted))
 
     def _create(self, key: Key, body: dict, result: Plan) -> bool:
         """Create the missing pods (and the Service, and on a job's first pods its Secret and
@@ -97,7 +135,11 @@ class Controller:
         group = gang.group_object(job, gang.backend_for(job, self.config.scheduling))
         if group is not None:  # before its pods: the scheduler holds a pod until its group exists
             self._calls.submit(key, self.kube.create, group).result()
-        created = sum(self._calls.map(key, self.kube.create, [service, *pods])[1:])
+        answers = self._calls.map(key, self.kube.create, [service, *pods])[1:]
+        for answer in answers:
+            if answer is not None:
+                self.pods.observe(answer)
+        created = sum(answer is not None for answer in answers)
         self.metrics.pods_created.inc(created)
         if created:
             log.info("%s/%s: created %d pods", job.namespace, job.name, created)
@@ -112,8 +154,10 @@ class Controller:
 
     def read_progress(self, namespace: str, name: str, previous: progress.Sample | None) -> tuple[dict | None, progress.Sample | None]:
         """status.progress from the PS pods' metrics, and the sample to compare with next time."""
-        # Only the PS pods: at scale this timer's pod lists were the operator's largest CPU cost.
-        pods = self.kube.list_pods(namespace, name, ReplicaType.PS)
+        pods = self.pods.pods((namespace, name))
+        if pods is None:  # only the PS pods: less to read and decode
+            pods = self.kube.list_pods(namespace, name, ReplicaType.PS)
+        pods = [p for p in pods if p["metadata"]["labels"].get(naming.LABEL_TYPE) == ReplicaType.PS.task_type]
         ips = [p["status"]["podIP"] for p in pods
                if (p.get("status") or {}).get("podIP") and p["status"].get("phase") == "Running"]
         pages = [page for page in (progress.scrape(ip, self.config.ports.metrics) for ip in ips) if page]
@@ -123,6 +167,7 @@ class Controller:
         return progress.to_status(sample, previous, timestamp(datetime.now(timezone.utc))), sample
 
     def delete_children(self, namespace: str, name: str, uid: str, created: str | None = None) -> None:
+        self.forget(namespace, name)
         key = (OTHER, *job_key(created, namespace, name))
         if kueue.enabled(self.config):  # the job is going: its Kueue pod group ends with it
             pods = self.kube.list_pods(namespace, name)

@@ -143,14 +143,15 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 async def _reconcile_once(shared: Shared, key: tuple[str, str], meta: kopf.Meta, first: dict | None,
-                          logger: logging.Logger) -> float | None:
+                          live: dict | None, logger: logging.Logger) -> float | None:
     """One pass; the seconds until the next one, or None when the job is gone."""
     namespace, name = key
     delay = shared.config.resync_seconds
     try:
         outcome = await asyncio.get_running_loop().run_in_executor(
-            shared.executor, shared.controller.reconcile, namespace, name, meta.get("creationTimestamp"), first)
+            shared.executor, shared.controller.reconcile, namespace, name, meta.get("creationTimestamp"), first, live)
     except Exception as err:  # API unavailable, conflict...: retried, never fatal
+        shared.controller.pods.drop(key)  # and the retry reads everything again
         shared.metrics.reconcile_errors.inc()
         logger.warning("reconcile failed, retrying in %.0fs: %s", RETRY_SECONDS, err)
         return RETRY_SECONDS
@@ -170,17 +171,21 @@ async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, 
     shared: Shared = memo.shared
     key = (namespace, name)
     wake = shared.wake.setdefault(key, asyncio.Event())
-    # A job never reconciled: its first pass starts from the body the event brought (later
-    # passes read it again: this live view may lag behind our own status writes).
+    # A job never reconciled: its first pass starts from the body the event brought.
     new = None if body.get("status") else copy.deepcopy(dict(body))
+    woken = False
     try:
         while not stopped:
             wake.clear()
             first, new = new, None
-            delay = await _reconcile_once(shared, key, meta, first, logger)
+            # A pass an event woke starts from what the watches brought (`body` is kopf's live
+            # view of the job; a shallow copy, as the next event replaces it whole); a pass the
+            # resync period woke reads the job and its pods from the API server.
+            delay = await _reconcile_once(shared, key, meta, first, dict(body) if woken else None, logger)
             if delay is None:
                 return
-            if await _sleep(wake, stopped, delay):
+            woken = await _sleep(wake, stopped, delay)
+            if woken:
                 await _sleep(asyncio.Event(), stopped, COALESCE_SECONDS)
     finally:
         if shared.wake.get(key) is wake:
@@ -203,7 +208,9 @@ async def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, bo
     shared: Shared = memo.shared
     if type == "DELETED":
         shared.pod_state.pop(uid, None)
+        shared.controller.pods.forget(body)
     else:
+        shared.controller.pods.observe(body)
         state = _pod_state(body)
         before = shared.pod_state.get(uid)
         shared.pod_state[uid] = state

@@ -73,8 +73,9 @@ class Kube:
                 return None
             raise
 
-    def patch_job_status(self, namespace: str, name: str, patch: dict) -> None:
-        self.custom.patch_namespaced_custom_object_status(
+    def patch_job_status(self, namespace: str, name: str, patch: dict) -> dict:
+        """The job as the API server stored it after the patch."""
+        return self.custom.patch_namespaced_custom_object_status(
             API_GROUP, API_VERSION, namespace, PLURAL, name, {"status": patch},
             _content_type="application/merge-patch+json", _request_timeout=TIMEOUT)
 
@@ -88,24 +89,28 @@ class Kube:
 
     def list_pods(self, namespace: str, job: str, rtype: ReplicaType | None = None) -> list[dict]:
         """The job's pods (of one replica type only, when given: less to read and decode)."""
-        selector = naming.job_selector(job) | ({naming.LABEL_TYPE: rtype.task_type} if rtype else {})
-        resp = self.core.list_namespaced_pod(
-            namespace, label_selector=naming.label_selector(selector), _preload_content=False, _request_timeout=TIMEOUT)
-        return _json(resp)["items"]
+        return self.pod_list(namespace, job, rtype)[0]
 
-    def create(self, body: dict) -> bool:
-        """Create a Pod, Service, Secret, NetworkPolicy, or a gang's Workload or PodGroup; False
-        when it already exists (creating twice is harmless). Sent as the JSON it is: the client's
-        typed models would refuse fields of another Kubernetes version (a 1.35 pod's workloadRef)."""
+    def pod_list(self, namespace: str, job: str, rtype: ReplicaType | None = None) -> tuple[list[dict], str | None]:
+        """The job's pods and the resourceVersion the list was read at."""
+        selector = naming.job_selector(job) | ({naming.LABEL_TYPE: rtype.task_type} if rtype else {})
+        resp = _json(self.core.list_namespaced_pod(
+            namespace, label_selector=naming.label_selector(selector), _preload_content=False, _request_timeout=TIMEOUT))
+        return resp["items"], (resp.get("metadata") or {}).get("resourceVersion")
+
+    def create(self, body: dict) -> dict | None:
+        """Create a Pod, Service, Secret, NetworkPolicy, or a gang's Workload or PodGroup: the
+        object as stored, or None when it already exists (creating twice is harmless). Sent as
+        the JSON it is: the client's typed models would refuse fields of another Kubernetes
+        version (a 1.35 pod's workloadRef)."""
         api_version, kind = body["apiVersion"], body["kind"]
         prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
         plural = PLURALS.get(kind, kind.lower() + "s")
         try:
-            self._raw("POST", f"{prefix}/namespaces/{body['metadata']['namespace']}/{plural}", body)
-            return True
+            return self._raw("POST", f"{prefix}/namespaces/{body['metadata']['namespace']}/{plural}", body)
         except ApiException as err:
             if err.status == 409:
-                return False
+                return None
             raise
 
     def serves(self, group: str, version: str, plural: str) -> bool:

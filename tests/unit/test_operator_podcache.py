@@ -1,0 +1,87 @@
+"""The pod cache the reconcile passes read instead of listing: what the watch and our own writes
+put in it, in which order, and that what it keeps is enough for every decision."""
+from __future__ import annotations
+
+from tfps.api.spec import TrainingJob
+from tfps.operator import builders, kueue
+from tfps.operator.config import OperatorConfig
+from tfps.operator.podcache import PodCache, slim
+from tfps.operator.status import PodView
+
+JOB = ("ns", "j")
+
+
+def _job():
+    return TrainingJob.model_validate({
+        "apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob",
+        "metadata": {"name": "j", "namespace": "ns", "uid": "uid-j", "generation": 1},
+        "spec": {"replicaSpecs": {"PS": {"replicas": 1}, "Worker": {"replicas": 2}}, "training": {}}})
+
+
+def _pod(index=0, rv=10, uid=None, phase="Running", **meta):
+    pod = builders.desired_pods(_job(), OperatorConfig())[1 + index]  # worker `index`
+    pod["metadata"].update(uid=uid or f"uid-w{index}", resourceVersion=str(rv), **meta)
+    pod["status"] = {"phase": phase, "podIP": "198.18.192.7", "hostIP": "198.18.128.1", "qosClass": "Burstable",
+                     "conditions": [{"type": "Ready", "status": "True"},
+                                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}],
+                     "containerStatuses": [{"name": "tensorflow", "restartCount": 2, "image": "x", "imageID": "y",
+                                            "state": {"terminated": {"exitCode": 3, "reason": "Error", "message": '{"step": 5}'}}}]}
+    return pod
+
+
+def _names(cache):
+    return sorted((p["metadata"]["name"], p["metadata"]["resourceVersion"]) for p in cache.pods(JOB))
+
+
+def test_slim_keeps_every_fact_a_decision_reads():
+    pod = _pod(finalizers=["kueue.x-k8s.io/managed"], annotations={kueue.RETRIABLE: "true"})
+    kept = slim(pod)
+    assert PodView.from_pod(kept) == PodView.from_pod(pod)
+    assert kueue.release_patches([kept], "uid-j", ending=True, delete=["j-worker-0"]) == \
+        kueue.release_patches([pod], "uid-j", ending=True, delete=["j-worker-0"])
+    assert "spec" not in kept and "hostIP" not in kept["status"] and "image" not in kept["status"]["containerStatuses"][0]
+
+
+def test_a_job_no_pass_listed_has_no_entry_and_events_before_the_list_are_ignored():
+    cache = PodCache()
+    cache.observe(_pod())
+    assert cache.pods(JOB) is None
+    cache.replace(JOB, [], "5")
+    assert cache.pods(JOB) == []
+    cache.observe(_pod(rv=12))
+    assert _names(cache) == [("j-worker-0", "12")]
+
+
+def test_an_older_event_never_overwrites_a_newer_state():
+    cache = PodCache()
+    cache.replace(JOB, [_pod(rv=20)], "20")
+    cache.observe(_pod(rv=15, phase="Pending"))
+    assert _names(cache) == [("j-worker-0", "20")] and cache.pods(JOB)[0]["status"]["phase"] == "Running"
+
+
+def test_replace_keeps_what_the_watch_brought_after_the_list_and_drops_the_rest():
+    cache = PodCache()
+    cache.replace(JOB, [_pod(0, rv=10), _pod(1, rv=11)], "11")
+    cache.observe(_pod(1, rv=30))  # changed after the next list was read
+    cache.replace(JOB, [_pod(1, rv=25)], "25")  # worker 0 is gone (its DELETED event was missed)
+    assert _names(cache) == [("j-worker-1", "30")]
+
+
+def test_a_deletion_removes_only_that_pod_and_a_late_create_answer_does_not_revive_it():
+    cache = PodCache()
+    cache.replace(JOB, [], "1")
+    cache.observe(_pod(rv=40, uid="new"))  # the recreated pod, same name
+    cache.forget(_pod(rv=35, uid="old"))  # the old one's DELETED event, late
+    assert _names(cache) == [("j-worker-0", "40")]
+    cache.forget(_pod(rv=50, uid="new"))
+    cache.observe(_pod(rv=40, uid="new"))  # our create's answer, after its deletion event
+    assert cache.pods(JOB) == []
+
+
+def test_a_pod_we_deleted_counts_as_deleting_until_its_events_say_more():
+    cache = PodCache()
+    cache.replace(JOB, [_pod(phase="Failed")], "10")
+    cache.mark_deleting(JOB, "j-worker-0")
+    assert PodView.from_pod(cache.pods(JOB)[0]).deleting
+    cache.drop(JOB)
+    assert cache.pods(JOB) is None
