@@ -24,6 +24,10 @@ from .status import merge_patch, timestamp
 
 log = logging.getLogger(__name__)
 
+# A job's pods are listed again at least this often, whatever the pod watch brought (kopf
+# re-establishes its watches as often: settings.watching.server_timeout).
+RELIST_SECONDS = 300.0
+
 
 @dataclass
 class Outcome:
@@ -56,8 +60,8 @@ class Controller:
         """One level-based pass; None when the job is gone or being deleted. `created`: the
         job's creationTimestamp, which orders its calls among other jobs'. `new_body`: a job
         never reconciled (no status), as the watch just brought it. `live_body`: the job as the
-        watch last brought it, given when an event woke the pass: then the pods come from the
-        pod cache and nothing is read; without it, or with no pods cached, the pass reads both."""
+        watch last brought it: the pass then reads nothing when the pod cache has the job's pods
+        (listed within RELIST_SECONDS); without it, or without them, the pass reads both."""
         started = time.perf_counter()
         age = job_key(created, namespace, name)
         key = (OTHER, *age)
@@ -89,7 +93,7 @@ class Controller:
 
     def _read(self, key: Key, job: tuple[str, str], new_body: dict | None, live_body: dict | None) -> tuple[dict | None, list[dict]]:
         """The job and its pods for one pass (see reconcile)."""
-        cached = self.pods.pods(job) if live_body is not None else None
+        cached = self.pods.pods(job, RELIST_SECONDS) if live_body is not None else None
         if new_body is not None:
             # No reads: a new job has no pods, unless an operator died while creating them; those
             # answer 409 (no duplicate), and then the next pass reads everything.

@@ -21,7 +21,7 @@ from tfps.api import naming
 from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 from .config import OperatorConfig
-from .controller import Controller
+from .controller import RELIST_SECONDS, Controller
 from .metrics import OperatorMetrics
 from .status import unschedulable_reason
 
@@ -128,8 +128,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.stealth = True
     # Watches are re-established every few minutes, so a silently dropped connection
     # never leaves a job without events for long.
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
+    settings.watching.server_timeout = int(RELIST_SECONDS)
+    settings.watching.client_timeout = int(RELIST_SECONDS) + 30
     settings.watching.connect_timeout = 10
     # For the few sync handlers left (login, startup).
     settings.execution.max_workers = memo.shared.config.reconcile_workers
@@ -173,19 +173,16 @@ async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, 
     wake = shared.wake.setdefault(key, asyncio.Event())
     # A job never reconciled: its first pass starts from the body the event brought.
     new = None if body.get("status") else copy.deepcopy(dict(body))
-    woken = False
     try:
         while not stopped:
             wake.clear()
             first, new = new, None
-            # A pass an event woke starts from what the watches brought (`body` is kopf's live
-            # view of the job; a shallow copy, as the next event replaces it whole); a pass the
-            # resync period woke reads the job and its pods from the API server.
-            delay = await _reconcile_once(shared, key, meta, first, dict(body) if woken else None, logger)
+            # Later passes start from what the watches brought: `body` is kopf's live view of the
+            # job (a shallow copy: the next event replaces it whole), the pods are cached.
+            delay = await _reconcile_once(shared, key, meta, first, dict(body), logger)
             if delay is None:
                 return
-            woken = await _sleep(wake, stopped, delay)
-            if woken:
+            if await _sleep(wake, stopped, delay):
                 await _sleep(asyncio.Event(), stopped, COALESCE_SECONDS)
     finally:
         if shared.wake.get(key) is wake:

@@ -2,9 +2,9 @@
 
 kopf already receives and decodes every event of the pods the operator labels; a reconcile
 pass that lists the job's pods again decodes them a second time, and at a few thousand pods
-that listing was most of the operator's CPU. So passes woken by an event read the pods from
-here. A pass that follows an error, and the resync pass of a job no event woke, list instead
-and replace the job's entry: whatever a watch may have missed lives at most one resync period.
+that listing was most of the operator's CPU. So passes read the pods from here. A job's first
+pass, a pass after an error, and any pass once the job's entry is older than the relist period
+list instead and replace the entry: whatever a watch may have missed lives at most that long.
 
 Only the fields decisions read are kept (status.PodView, kueue.release_patches), not whole pods.
 Each pod is kept by name, and the newest resourceVersion wins, so an event that arrives late or
@@ -13,6 +13,7 @@ the answer to our own create or delete never overwrites a newer state.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -58,6 +59,7 @@ class PodCache:
         self._lock = threading.Lock()
         self._jobs: dict[Key, dict[str, dict[str, Any]]] = {}
         self._gone: dict[Key, dict[str, int]] = {}  # uid -> resourceVersion of its deletion
+        self._listed: dict[Key, float] = {}  # monotonic time of the last replace
 
     def observe(self, pod: dict[str, Any]) -> None:
         """A pod as a watch event or one of our writes brought it (created or changed)."""
@@ -112,16 +114,20 @@ class PodCache:
                 if version(pod) > at and (name not in fresh or version(pod) >= version(fresh[name])):
                     fresh[name] = pod
             self._jobs[key] = fresh
+            self._listed[key] = time.monotonic()
             self._gone[key] = {uid: rv for uid, rv in self._gone.get(key, {}).items() if rv > at}
 
-    def pods(self, key: Key) -> list[dict[str, Any]] | None:
-        """The job's pods; None when no pass has listed them yet."""
+    def pods(self, key: Key, max_age: float | None = None) -> list[dict[str, Any]] | None:
+        """The job's pods; None when no pass has listed them, or not in the last `max_age` seconds."""
         with self._lock:
             pods = self._jobs.get(key)
-            return None if pods is None else list(pods.values())
+            if pods is None or (max_age is not None and time.monotonic() - self._listed[key] > max_age):
+                return None
+            return list(pods.values())
 
     def drop(self, key: Key) -> None:
         """The job is gone."""
         with self._lock:
             self._jobs.pop(key, None)
             self._gone.pop(key, None)
+            self._listed.pop(key, None)

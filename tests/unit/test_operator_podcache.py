@@ -85,3 +85,14 @@ def test_a_pod_we_deleted_counts_as_deleting_until_its_events_say_more():
     assert PodView.from_pod(cache.pods(JOB)[0]).deleting
     cache.drop(JOB)
     assert cache.pods(JOB) is None
+
+
+def test_an_entry_older_than_the_relist_period_reads_as_none(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("tfps.operator.podcache.time.monotonic", lambda: clock[0])
+    cache = PodCache()
+    cache.replace(JOB, [_pod()], "10")
+    clock[0] += 299
+    assert cache.pods(JOB, max_age=300) is not None
+    clock[0] += 2
+    assert cache.pods(JOB, max_age=300) is None and cache.pods(JOB) is not None
