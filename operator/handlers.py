@@ -23,7 +23,7 @@ from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 from .config import OperatorConfig
 from .controller import RELIST_SECONDS, Controller
 from .metrics import OperatorMetrics
-from .status import unschedulable_reason
+from .status import scheduling_gated, unschedulable_reason
 
 RETRY_SECONDS = 2.0  # after an API error, before the next attempt
 # Pod events come in bursts (10 pods created, then scheduled, then started): one pass
@@ -52,7 +52,7 @@ class Shared:
     peering: Peering
     wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
-    pod_state: dict[str, tuple[str, bool, int, bool]] = field(default_factory=dict)  # by pod uid
+    pod_state: dict[str, tuple[str, bool, int, bool, bool]] = field(default_factory=dict)  # by pod uid
 
     def wake_job(self, namespace: str, name: str) -> None:
         event = self.wake.get((namespace, name))
@@ -99,12 +99,12 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float)
             waiter.cancel()
 
 
-def _pod_state(pod: kopf.Body) -> tuple[str, bool, int, bool]:
-    """What of a pod can change a job's status: phase, deletion, restarts, unschedulable."""
+def _pod_state(pod: kopf.Body) -> tuple[str, bool, int, bool, bool]:
+    """What of a pod can change a job's status: phase, deletion, restarts, unschedulable, gated."""
     status = pod.get("status") or {}
     restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
     return (status.get("phase") or "Pending", bool(pod.get("metadata", {}).get("deletionTimestamp")), restarts,
-            unschedulable_reason(status) is not None)
+            unschedulable_reason(status) is not None, scheduling_gated(status))
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -211,7 +211,7 @@ async def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, bo
         state = _pod_state(body)
         before = shared.pod_state.get(uid)
         shared.pod_state[uid] = state
-        if state == before or (before is None and state == ("Pending", False, 0, False)):
+        if state == before or (before is None and state == ("Pending", False, 0, False, False)):
             return
     shared.wake_job(namespace, labels[naming.LABEL_JOB])
 

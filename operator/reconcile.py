@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from tfps.api import naming, semantics
 from tfps.api.spec import CleanPodPolicy, ReplicaType, TrainingJob
 
+from . import kueue
 from .status import (
     CREATED, FAILED, FINISHED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
     PodView, Reason, condition_true, get_condition, owned_pods, parse_time, ready_column, replica_statuses, set_condition, timestamp,
@@ -74,20 +75,30 @@ def _record_result(plan: Plan, job: TrainingJob, pods: list[PodView], progress: 
         plan.status["progress"] = {**progress, **result}
 
 
-def _explain_unschedulable(plan: Plan, conds: list[dict], pods: list[PodView], now: datetime) -> list[dict]:
-    """A pod no node can take (e.g. more nvidia.com/gpu than any node has) leaves the job waiting:
-    say so in the Running condition and an Event, instead of a silent Pending. Not a failure: a
-    cluster autoscaler may still add a node, and activeDeadlineSeconds bounds the wait."""
-    stuck = [p for p in pods if p.unschedulable and p.phase == "Pending"]
-    if not stuck:
+def _explain_waiting(plan: Plan, job: TrainingJob, conds: list[dict], pods: list[PodView], now: datetime) -> list[dict]:
+    """Pods held back by a scheduling gate (Kueue's, until the job's queue admits it), or that no
+    node can take (e.g. more nvidia.com/gpu than any node has), leave the job waiting: say so in
+    the Running condition and an Event, instead of a silent Pending. Not a failure: the queue may
+    admit it, a cluster autoscaler may add a node, and activeDeadlineSeconds bounds the wait."""
+    pending = [p for p in pods if p.phase == "Pending"]
+    gated = [p for p in pending if p.gated]
+    stuck = [p for p in pending if p.unschedulable and not p.gated]
+    if gated:
+        queue = kueue.queue_name(job)
+        reason, kind = Reason.SCHEDULING_GATED, NORMAL
+        message = f"{len(gated)} pods wait behind a scheduling gate" + (
+            f" until Kueue's queue {queue!r} admits the job" if queue else "")
+    elif stuck:
+        reason, kind = Reason.UNSCHEDULABLE, WARNING
+        message = "; ".join(f"pod {p.name} cannot be scheduled: {p.unschedulable}" for p in stuck[:3])
+        if len(stuck) > 3:
+            message += f" (and {len(stuck) - 3} more pods)"
+    else:
         return conds
-    message = "; ".join(f"pod {p.name} cannot be scheduled: {p.unschedulable}" for p in stuck[:3])
-    if len(stuck) > 3:
-        message += f" (and {len(stuck) - 3} more pods)"
     before = get_condition(conds, RUNNING) or {}
-    if before.get("reason") != Reason.UNSCHEDULABLE:
-        plan.event(WARNING, Reason.UNSCHEDULABLE, message)
-    return set_condition(conds, RUNNING, False, Reason.UNSCHEDULABLE, message, now, list_false=True)
+    if before.get("reason") != reason:
+        plan.event(kind, reason, message)
+    return set_condition(conds, RUNNING, False, reason, message, now, list_false=True)
 
 
 def _count_in_place_restarts(status: dict, pods: list[PodView]) -> tuple[int, dict[str, str], list[PodView]]:
@@ -330,7 +341,7 @@ def _set_phase(result: Plan, job: TrainingJob, views: list[PodView], old: dict[s
     else:
         phase = PENDING
     if phase in (PENDING, RESTARTING):
-        conds = _explain_unschedulable(result, conds, live, now)
+        conds = _explain_waiting(result, job, conds, live, now)
     if phase != old.get("phase") and phase in (RUNNING, RESTARTING):
         cond = get_condition(conds, phase) or {}
         result.event(NORMAL if phase == RUNNING else WARNING, phase, cond.get("message", phase))

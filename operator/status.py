@@ -35,6 +35,7 @@ class Reason:
     RESUMED = "Resumed"
     TTL_EXPIRED = "TTLExpired"
     UNSCHEDULABLE = "Unschedulable"
+    SCHEDULING_GATED = "SchedulingGated"  # the pods' own PodScheduled reason: e.g. Kueue has not admitted them
 
     @staticmethod
     def replica_failed(rtype: ReplicaType) -> str:
@@ -58,6 +59,12 @@ def unschedulable_reason(status: dict[str, Any]) -> str | None:
                  if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"), None)
 
 
+def scheduling_gated(status: dict[str, Any]) -> bool:
+    """Whether a scheduling gate holds the pod whose `status` this is back from the scheduler."""
+    return any(c.get("type") == "PodScheduled" and c.get("reason") == Reason.SCHEDULING_GATED
+               for c in status.get("conditions") or [])
+
+
 @dataclass(frozen=True)
 class PodView:
     """The facts about one child pod that decisions need."""
@@ -74,6 +81,7 @@ class PodView:
     pod_ip: str | None
     message: str | None = None  # the main container's termination message
     unschedulable: str | None = None  # the scheduler's reason while it cannot place the pod
+    gated: bool = False  # held back from the scheduler by a scheduling gate
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> "PodView":
@@ -96,6 +104,7 @@ class PodView:
             pod_ip=status.get("podIP"),
             message=terminated.get("message"),
             unschedulable=unschedulable_reason(status),
+            gated=scheduling_gated(status),
         )
 
     @property

@@ -165,7 +165,12 @@ def _run_two_jobs(op: OperatorHarness, custom, cq: str) -> None:
         assert GATE in [g.name for g in pod.spec.scheduling_gates or []], pod.metadata.name
         assert pod.spec.node_name is None
         assert pod.status.phase == "Pending"
+    # ... and the job says why it is Pending.
+    waiting = wait_for("the second job's Running condition naming its queue", lambda: next(
+        (c for c in op.status("second").get("conditions") or [] if c["type"] == "Running"
+         and c["reason"] == "SchedulingGated"), None), timeout=30)
     assert op.status("second")["phase"] == "Pending"
+    assert "until Kueue's queue" in waiting["message"] and waiting["status"] == "False", waiting
 
     # The first job's worker finishes: the job succeeds, its PS pod is cleaned up.
     op.core.patch_namespaced_pod("first-worker-0", ns, {"metadata": {"annotations": {kwok.SUCCEED_AFTER: "1s"}}})

@@ -240,6 +240,21 @@ def test_unreadable_termination_message_leaves_progress_alone(message):
     assert not p.status.get("progress")
 
 
+def test_pods_a_queue_has_not_admitted_are_explained_as_waiting_for_it():
+    body = _body(runPolicy={"schedulingPolicy": {"queue": "team-a"}})
+    _settle(body, [])
+    pods = _pods(body, phase="Pending")
+    for pod in pods:  # Kueue gates every pod of the group until its Workload is admitted
+        pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
+                                        "message": "Scheduling is blocked due to non-empty scheduling gates"}]
+    p = _settle(body, pods)
+    running = next(c for c in p.status["conditions"] if c["type"] == "Running")
+    assert p.status["phase"] == "Pending" and running["status"] == "False" and running["reason"] == "SchedulingGated"
+    assert running["message"] == "6 pods wait behind a scheduling gate until Kueue's queue 'team-a' admits the job"
+    assert [e[0] for e in p.events if e[1] == "SchedulingGated"] == ["Normal"]
+    assert not [e for e in _settle(body, pods).events if e[1] == "SchedulingGated"]
+
+
 def test_unschedulable_pod_is_explained_not_silently_pending():
     body = _body()
     _settle(body, [])
