@@ -48,8 +48,9 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
     fd, tmp = tempfile.mkstemp(prefix=".shard-", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:
-            # straight from the tensors' memory: no copy of the shard is made to write it
-            for piece in wire.pieces(meta, tensors):
+            # straight from the tensors' memory (a RowSnapshot's a block at a time): no copy of
+            # the shard is made to write it
+            for piece in wire.expand(wire.pieces(meta, tensors)):
                 fh.write(piece)
             fh.flush()
             os.fsync(fh.fileno())
@@ -88,6 +89,102 @@ def read(folder: str | Path) -> wire.Message | None:
     return wire.decode(data)
 
 
+def load_rows(dst: np.ndarray, src: np.ndarray, block_bytes: int = 16 << 20) -> None:
+    """Copy a checkpoint's tensor into `dst`, a block of rows at a time. The pages of a mapped
+    checkpoint file count in this process's resident memory while they stay mapped: each
+    block's are dropped once copied, so restoring a shard never holds it twice."""
+    if dst.ndim == 0 or dst.nbytes <= block_bytes:
+        np.copyto(dst, src)
+        return
+    step = max(1, block_bytes // max(1, dst.nbytes // dst.shape[0]))
+    mapped = _mapping(src)
+    for lo in range(0, dst.shape[0], step):
+        np.copyto(dst[lo:lo + step], src[lo:lo + step])
+        if mapped is not None:
+            _drop(mapped, src[lo:lo + step])
+
+
+def _mapping(arr: np.ndarray) -> tuple[mmap.mmap, int] | None:
+    """The read-only file mapping under `arr`, and the address it starts at; None when there is none."""
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    obj = getattr(base, "obj", None)
+    if not isinstance(obj, mmap.mmap) or not hasattr(obj, "madvise"):
+        return None
+    return obj, np.frombuffer(obj, np.uint8).ctypes.data
+
+
+def _drop(mapped: tuple[mmap.mmap, int], arr: np.ndarray) -> None:
+    """Let go of the pages of `arr` (C-contiguous, inside the mapping): whole pages only."""
+    obj, start = mapped
+    lo, hi = arr.ctypes.data - start, arr.ctypes.data - start + arr.nbytes
+    lo += -lo % mmap.PAGESIZE
+    hi -= hi % mmap.PAGESIZE
+    if hi > lo:
+        obj.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+class RowSnapshot:
+    """A table that updates change in place (rows of an embedding, or its optimizer slots),
+    as it was when the snapshot was taken, read out block by block (`blocks()`, for
+    wire.pieces) while training goes on: copy-on-write by rows. Before an update changes rows
+    that the reader has not yet copied, the updater calls `before_update` and their old values
+    are kept; the reader copies each block under the lock and puts the kept rows back in it.
+    The extra memory is one block plus the rows updated during the read, never the table."""
+
+    BLOCK_BYTES = 1 << 20
+
+    def __init__(self, array: np.ndarray, lock):
+        self.array, self.lock = array, lock
+        self.dtype, self.shape, self.nbytes = array.dtype, array.shape, array.nbytes
+        self.written = 0  # rows [0, written) are copied out: updates there need not keep anything
+        self._kept: np.ndarray | None = None  # per row: its old value is in _saved
+        self._saved: list[tuple[np.ndarray, np.ndarray, int]] = []  # (rows, their old values, max row)
+
+    @property
+    def done(self) -> bool:
+        return self.written >= self.shape[0]
+
+    def before_update(self, rows: np.ndarray) -> None:
+        """`rows` (each once) of the array are about to change; the caller holds the lock."""
+        rows = rows[rows >= self.written]
+        if not rows.size:
+            return
+        if self._kept is None:
+            self._kept = np.zeros(self.shape[0], bool)
+        rows = rows[~self._kept[rows]]
+        if rows.size:
+            self._kept[rows] = True
+            self._saved.append((rows, self.array[rows], int(rows.max())))
+
+    def blocks(self):
+        n = self.shape[0]
+        step = max(1, self.BLOCK_BYTES // max(1, self.nbytes // max(1, n)))
+        try:
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                with self.lock:
+                    block = self.array[lo:hi].copy()
+                    self.written = hi
+                    # entries wholly below `lo` were put back in earlier blocks
+                    self._saved = saved = [e for e in self._saved if e[2] >= lo]
+                for rows, values, _ in saved:
+                    inside = (rows >= lo) & (rows < hi)
+                    if inside.any():
+                        block[rows[inside] - lo] = values[inside]
+                yield block
+                del block, saved  # before the next block is copied
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Stop keeping rows (the read is over, or will not happen)."""
+        with self.lock:
+            self.written = self.shape[0]
+            self._kept, self._saved = None, []
+
+
 class ShardCheckpoints:
     """One PS shard's checkpoints: written in the background as the shard steps on, or now
     (and waited for) when the job ends; read back when the PS starts again."""
@@ -108,10 +205,14 @@ class ShardCheckpoints:
 
     def _write(self, meta: dict, tensors: dict) -> None:
         try:
-            write(self.folder, meta, {k: np.asarray(v) for k, v in tensors.items()})
+            write(self.folder, meta, tensors)
         except OSError:
             log.exception("checkpoint of PS %d at step %d failed", self.index, meta["version"])
             return
+        finally:
+            for tensor in tensors.values():
+                if isinstance(tensor, RowSnapshot):
+                    tensor.release()
         self.step = max(self.step, meta["version"])
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_step.set(self.step)

@@ -23,6 +23,7 @@ import numpy as np
 
 
 INIT_BLOCK_ROWS = 1 << 16
+SKIP_ROWS = 1 << 10
 
 
 @dataclass(frozen=True)
@@ -54,19 +55,30 @@ class Param:
             hi = min(lo + INIT_BLOCK_ROWS, self.shape[0])
             rng = np.random.default_rng([seed, zlib.crc32(self.name.encode()), block])
             a, b = max(lo, start), min(hi, stop)
-            out[a - start:b - start] = self._draw(rng, (hi - lo, *self.shape[1:]))[a - lo:b - lo]
+            # A block's rows are drawn in order, so its rows [a, b) are those that follow a - lo
+            # skipped ones: drawn into place, without a temporary the size of a block.
+            for skip in range(lo, a, SKIP_ROWS):
+                self._draw(rng, (min(SKIP_ROWS, a - skip), *self.shape[1:]))
+            self._draw(rng, (b - a, *self.shape[1:]), out[a - start:b - start])
         return out
 
-    def _draw(self, rng: np.random.Generator, shape: tuple) -> np.ndarray:
+    def _draw(self, rng: np.random.Generator, shape: tuple, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            out = np.empty(shape, np.float32)
         if self.init == "zeros":
-            return np.zeros(shape, np.float32)
-        if self.init.startswith("normal:"):
-            return rng.standard_normal(shape, np.float32) * np.float32(self.init.split(":", 1)[1])
-        if self.init == "glorot":
+            out[...] = 0
+        elif self.init.startswith("normal:"):
+            rng.standard_normal(dtype=np.float32, out=out)
+            out *= np.float32(self.init.split(":", 1)[1])
+        elif self.init == "glorot":
             fan_in, fan_out = (self.shape[0], self.shape[-1]) if len(self.shape) > 1 else (self.shape[0], self.shape[0])
-            limit = np.float32(np.sqrt(6.0 / (fan_in + fan_out)))
-            return (rng.random(shape, np.float32) * 2 - 1) * limit
-        raise ValueError(f"parameter {self.name}: unknown initialiser {self.init!r}")
+            rng.random(dtype=np.float32, out=out)
+            out *= 2
+            out -= 1
+            out *= np.float32(np.sqrt(6.0 / (fan_in + fan_out)))
+        else:
+            raise ValueError(f"parameter {self.name}: unknown initialiser {self.init!r}")
+        return out
 
 
 @dataclass

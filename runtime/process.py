@@ -126,20 +126,21 @@ def cgroup_cpus(cpu_max: str = CGROUP_CPU_MAX, v1_dir: str = CGROUP_V1_CPU) -> i
         return None
 
 
-def configure_threads() -> int | None:
-    """Size TensorFlow's thread pools to the CPUs this process has: $TFPS_INTRA_OP_THREADS
-    (tfps local sets it when it runs several processes on one machine), else the pod's CPU
-    limit. TensorFlow would otherwise size them to every core of the node, and processes
-    sharing cores then spin against each other."""
+def configure_threads(tensorflow: bool = True) -> int | None:
+    """The CPUs this process has: $TFPS_INTRA_OP_THREADS (tfps local sets it when it runs
+    several processes on one machine), else the pod's CPU limit; logged, and with `tensorflow`
+    TensorFlow's thread pools sized to it. TensorFlow would otherwise size them to every core
+    of the node, and processes sharing cores then spin against each other."""
     threads = ProcessSettings().intra_op_threads
     count = threads or cgroup_cpus()
-    if count:
+    if count and tensorflow:
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(count)
         tf.config.threading.set_inter_op_parallelism_threads(count)
     logging.getLogger("tfps.process").info(json.dumps({
-        "event": "threads", "threads": count, "source": "env" if threads else ("cgroup" if count else "default")}))
+        "event": "threads", "threads": count, "source": "env" if threads else ("cgroup" if count else "default"),
+        "tensorflow": tensorflow}))
     return count
 
 
@@ -149,11 +150,13 @@ def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
 
 
-def start_pod_process(command: str, security_from_env: Callable[[bool], Any]) -> "tuple[ProcessConfig, Any] | None":
+def start_pod_process(command: str, security_from_env: Callable[[bool], Any], tensorflow: bool = True
+                      ) -> "tuple[ProcessConfig, Any] | None":
     """The pod's config and its security (`security_from_env(tls)`), with logging set up to
-    name the job and replica and TensorFlow's threads sized; None, with the reason logged or
-    on stderr, when the environment holds no usable config (the caller exits 2). Security
-    comes first: a process that cannot check who it talks to must not start at all."""
+    name the job and replica and its CPUs logged (with `tensorflow`, TensorFlow's threads sized to them); None, with
+    the reason logged or on stderr, when the environment holds no usable config (the caller
+    exits 2). Security comes first: a process that cannot check who it talks to must not
+    start at all."""
     from .auth import SecurityError
 
     try:
@@ -168,5 +171,5 @@ def start_pod_process(command: str, security_from_env: Callable[[bool], Any]) ->
     except SecurityError as err:
         logging.getLogger(f"tfps.{command}").error(json.dumps({"event": "failed", command: cfg.cluster.task_index, "detail": str(err)}))
         return None
-    configure_threads()
+    configure_threads(tensorflow)
     return cfg, security

@@ -28,19 +28,18 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-import tensorflow as tf
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tfps.api.spec import ConsistencyMode, TrainingSpec
 
 from . import wire
-from .checkpoint import ShardCheckpoints
+from .checkpoint import RowSnapshot, ShardCheckpoints, load_rows
 from .consistency import Consistency, Push, Update
 from .auth import ServerSecurity
 from .datapath import DataServer, split_host
 from .metrics import PSMetrics
 from .models import Param
-from .optimizers import ShardOptimizer
+from .optimizers import ShardOptimizer, sum_duplicates
 from .sharding import Part, initial_part, place
 from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
@@ -102,7 +101,7 @@ class Shard:
         self.consistency = Consistency(self.mode, training.consistency.staleness, num_workers, worker_timeout, startup_grace)
         self.max_request_bytes = wire.MAX_MESSAGE_BYTES  # streamed requests too (unary: gRPC's limit)
         self.optimizer = ShardOptimizer(training.optimizer)
-        self._wire_dtype = tf.as_dtype(training.wire_dtype.value)  # of the dense parameters it sends
+        self._wire_dtype = np.dtype(wire.DTYPES[training.wire_dtype.value])  # of the dense parameters it sends
         self.incarnation = secrets.token_hex(4)
         self.cond = threading.Condition()
         self.version = 0
@@ -114,17 +113,15 @@ class Shard:
         self._last_rate = 0.0
         self._shared_reply: tuple = (-1, False, b"")
         self.wire_bytes, self._count_lock = 0, threading.Lock()
-        self.vars: dict[str, tf.Variable] = {}
-        self.slots: dict[str, dict[str, tf.Variable]] = {}
+        # Dense arrays are replaced by each update, never changed in place (a reader holding
+        # one keeps a consistent copy); sparse tables and their slots change in place, by rows,
+        # and a checkpoint or a PullFull reads them through RowSnapshots (`_row_snapshots`).
+        self.vars: dict[str, np.ndarray] = {}
+        self.slots: dict[str, dict[str, np.ndarray]] = {}
+        self._row_snapshots: dict[str, list[RowSnapshot]] = {}
         for part in parts:
-            # the numpy rows are dropped once the variable holds them: one copy of a table at a time
-            self.vars[part.name] = tf.Variable(initial_part(part, params[part.var], training.seed), name=part.name.replace("/", "_"))
-            self.slots[part.name] = {
-                s: tf.Variable(self.optimizer.initial_slot(s, part.shape), name=f"{part.name.replace('/', '_')}_{s}")
-                for s in self.optimizer.slot_names()
-            }
-        dense_vars = {n: v for n, v in self.vars.items() if not self.parts[n].sparse}
-        self._apply_dense = self.optimizer.dense_applier(dense_vars, self.slots)
+            self.vars[part.name] = np.asarray(initial_part(part, params[part.var], training.seed), np.float32)
+            self.slots[part.name] = {s: self.optimizer.initial_slot(s, part.shape) for s in self.optimizer.slot_names()}
         self._restore()
         self._publish()
 
@@ -227,9 +224,16 @@ class Shard:
     def _apply(self, update: Update) -> None:
         t0 = time.perf_counter()
         t = self.version + 1
-        if update.dense:
-            self._apply_dense(update.dense, t)
+        for name, grad in update.dense.items():
+            self.vars[name], slots = self.optimizer.apply_dense(self.vars[name], self.slots[name], grad, t)
+            self.slots[name].update(slots)
         for name, (rows, values) in update.sparse.items():
+            rows, values = sum_duplicates(rows, values)
+            snapshots = self._row_snapshots.get(name)
+            if snapshots:
+                snapshots[:] = [s for s in snapshots if not s.done]
+                for snap in snapshots:
+                    snap.before_update(rows)
             self.optimizer.apply_sparse(self.vars[name], self.slots[name], rows, values, t)
         self.version = t
         self.examples += update.examples
@@ -326,9 +330,9 @@ class Shard:
                 "pending": pending,
             }
             tensors = self._read(req) if req.pull and not pending else {}
-        # Serialise outside the lock: the tensors read above are snapshots (TF copies a
-        # variable's buffer on the next update while a reader still holds it).
-        out = ENCODERS[encoding](meta, {k: np.asarray(v) for k, v in tensors.items()})
+        # Serialise outside the lock: the tensors read above are copies (rows) or dense
+        # arrays that updates replace rather than change.
+        out = ENCODERS[encoding](meta, tensors)
         if shared:
             self._shared_reply = (meta["version"], encoding, out)
         self._count(self.metrics.bytes_out, _size(out))
@@ -344,17 +348,17 @@ class Shard:
         tensors = {}
         for name, var in self.vars.items():
             if req.want_dense and not self.parts[name].sparse:
-                tensors[name] = var.read_value() if self._wire_dtype == tf.float32 else tf.cast(var, self._wire_dtype)
+                tensors[name] = var if var.dtype == self._wire_dtype else var.astype(self._wire_dtype)
         for name, idx in req.rows.items():
-            tensors[f"{name}:rows"] = tf.raw_ops.ResourceGather(resource=self.vars[name].handle, indices=idx, dtype=tf.float32)
+            tensors[f"{name}:rows"] = np.take(self.vars[name], idx, axis=0)
         return tensors
 
     def pull_full(self) -> list[bytes]:
         """Every part whole, embedding tables included (for export and evaluation), as chunks."""
         with self.cond:
-            tensors = {name: var.read_value() for name, var in self.vars.items()}
+            tensors = {name: self._read_whole(name, var) for name, var in self.vars.items()}
             meta = {"version": self.version, "done": self.done, "incarnation": self.incarnation}
-        out = wire.encode_chunks(meta, {k: np.asarray(v) for k, v in tensors.items()})
+        out = wire.encode_chunks(meta, tensors)
         self._count(self.metrics.bytes_out, _size(out))
         return out
 
@@ -379,12 +383,21 @@ class Shard:
     def _expected_parts(self) -> dict[str, list[int]]:
         return {n: list(p.shape) for n, p in self.parts.items()}
 
+    def _read_whole(self, name: str, array: np.ndarray) -> np.ndarray | RowSnapshot:
+        """`array` (part `name`'s variable or slot) as it is now, to be read outside the lock
+        without a copy of a table (the caller holds the lock)."""
+        if not self.parts[name].sparse:
+            return array
+        snap = RowSnapshot(array, self.cond)
+        self._row_snapshots.setdefault(name, []).append(snap)
+        return snap
+
     def _snapshot(self) -> tuple[dict, dict]:
         tensors = {}
         for name, var in self.vars.items():
-            tensors[name] = var.read_value()
+            tensors[name] = self._read_whole(name, var)
             for slot, svar in self.slots[name].items():
-                tensors[f"{name}:slot:{slot}"] = svar.read_value()
+                tensors[f"{name}:slot:{slot}"] = self._read_whole(name, svar)
         meta = {
             "version": self.version,
             "clocks": list(self.clocks),
@@ -401,9 +414,10 @@ class Shard:
         if not self.checkpoints:
             return -1
         with self.cond:
+            if self.version <= self.checkpoints.step:
+                return self.checkpoints.step
             meta, tensors = self._snapshot()
-        if meta["version"] > self.checkpoints.step:
-            self.checkpoints.save(meta, tensors, wait=True)
+        self.checkpoints.save(meta, tensors, wait=True)
         return self.checkpoints.step
 
     def _restore(self) -> None:
@@ -414,9 +428,9 @@ class Shard:
         if msg is None:
             return
         for name, var in self.vars.items():
-            var.assign(msg.tensors[name])
+            load_rows(var, msg.tensors[name])
             for slot, svar in self.slots[name].items():
-                svar.assign(msg.tensors[f"{name}:slot:{slot}"])
+                load_rows(svar, msg.tensors[f"{name}:slot:{slot}"])
         meta = msg.meta
         self.version = int(meta["version"])
         clocks = [int(c) for c in meta.get("clocks", [])]

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .auth import ServerSecurity
 
-    started = start_pod_process("ps", ServerSecurity.from_env)
+    started = start_pod_process("ps", ServerSecurity.from_env, tensorflow=False)  # the PS runs on NumPy alone
     if started is None:
         return 2
     cfg, security = started

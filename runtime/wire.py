@@ -72,16 +72,29 @@ def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
     """The message as its parts (length, header, each tensor's bytes), none of them copied."""
     entries, bufs, offset = [], [], 0
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        lazy = hasattr(arr, "blocks")  # its bytes come later, block by block (see `expand`)
+        if not lazy:
+            arr = np.ascontiguousarray(arr)
         pad = -offset % ALIGN
         if pad:
             bufs.append(_ZEROS[:pad])
-        entries.append([name, arr.dtype.name, list(arr.shape), arr.nbytes])
-        bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too
+        entries.append([name, np.dtype(arr.dtype).name, list(arr.shape), arr.nbytes])
+        bufs.append(arr if lazy else memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too
         offset += pad + arr.nbytes
     header = json.dumps({"meta": meta, "tensors": entries, "align": ALIGN}, separators=(",", ":")).encode()
     header += b" " * (-(_LEN.size + len(header)) % ALIGN)  # the first tensor starts aligned
     return [_LEN.pack(len(header)), header, *bufs]
+
+
+def expand(parts: Iterable) -> Iterator:
+    """`pieces`' output with each lazy tensor (an object with `blocks()`, yielding its rows
+    in order as C-contiguous arrays) replaced by the bytes of its blocks."""
+    for piece in parts:
+        if hasattr(piece, "blocks"):
+            for block in piece.blocks():
+                yield memoryview(block.reshape(-1).view(np.uint8))
+        else:
+            yield piece
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -98,7 +111,7 @@ def encode(meta: dict, tensors: dict[str, np.ndarray] | None = None) -> bytes:
 def encode_chunks(meta: dict, tensors: dict[str, np.ndarray] | None = None, chunk: int = CHUNK_BYTES) -> list[bytes]:
     """The message as chunks of at most `chunk` bytes, one copy of each byte."""
     out, cur, size = [], [], 0
-    for piece in pieces(meta, tensors or {}):
+    for piece in expand(pieces(meta, tensors or {})):
         view = memoryview(piece) if not isinstance(piece, memoryview) else piece
         while len(view):
             take = min(len(view), chunk - size)

@@ -119,7 +119,7 @@ def test_containers_run_non_root_with_a_read_only_root_and_no_capabilities(node)
         assert seen["root"] == "Read-only file system", (pod, seen)
 
 
-def test_the_ps_cpu_limit_is_its_cgroup_quota_and_sizes_tensorflow(node):
+def test_the_ps_cpu_limit_is_its_cgroup_quota_and_the_cpus_it_sees(node):
     seen = json.loads(node.exec("a-ps-0", (
         "import json,os\n"
         "r = lambda f: open('/sys/fs/cgroup/cpu/' + f).read().strip()\n"

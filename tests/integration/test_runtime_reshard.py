@@ -76,7 +76,7 @@ def test_a_2_ps_checkpoint_restores_into_3_ps(tmp_path):
 def _state(shard) -> dict[str, np.ndarray]:
     out = {}
     for name, var in shard.vars.items():
-        out[name] = var.numpy()
+        out[name] = np.array(var)
         for slot, svar in shard.slots[name].items():
-            out[f"{name}:slot:{slot}"] = svar.numpy()
+            out[f"{name}:slot:{slot}"] = np.array(svar)
     return out
