@@ -74,13 +74,13 @@ class ShardOptimizer:
             return new, {"momentum": accum}
         if name is OptimizerName.ADAM:
             m, v = _adam_moments(slots["m"], slots["v"], grad, self._b1, self._b2)
-            _adam_step(m, v, self._adam_rate(t), self._eps, out=new)
+            _scaled_step(m, v, self._adam_rate(t), self._eps, out=new)
             np.subtract(var, new, out=new)
             return new, {"m": m, "v": v}
         if name is OptimizerName.ADAGRAD:
             accum = np.square(grad)
             accum += slots["accumulator"]
-            _adagrad_step(grad, accum, lr, self._eps, out=new)
+            _scaled_step(grad, accum, lr, self._eps, out=new)
             np.subtract(var, new, out=new)
             return new, {"accumulator": accum}
         raise ValueError(name)  # pragma: no cover - the spec's enum is closed
@@ -103,11 +103,11 @@ class ShardOptimizer:
             m, v = _adam_moments(slots["m"][rows], slots["v"][rows], grad, self._b1, self._b2)
             slots["m"][rows] = m
             slots["v"][rows] = v
-            var[rows] -= _adam_step(m, v, self._adam_rate(t), self._eps, out=np.empty_like(m))
+            var[rows] -= _scaled_step(m, v, self._adam_rate(t), self._eps, out=np.empty_like(m))
         elif name is OptimizerName.ADAGRAD:
             accum = slots["accumulator"][rows] + np.square(grad)
             slots["accumulator"][rows] = accum
-            var[rows] -= _adagrad_step(grad, accum, lr, self._eps, out=np.empty_like(accum))
+            var[rows] -= _scaled_step(grad, accum, lr, self._eps, out=np.empty_like(accum))
         else:  # pragma: no cover
             raise ValueError(name)
 
@@ -122,19 +122,10 @@ def _adam_moments(m, v, grad, b1, b2) -> tuple[np.ndarray, np.ndarray]:
     return m_new, v_new
 
 
-def _adam_step(m, v, lr_t, eps, out) -> np.ndarray:
-    """lr_t * m / (sqrt(v) + eps), into `out`."""
-    np.sqrt(v, out=out)
+def _scaled_step(num, den, rate, eps, out) -> np.ndarray:
+    """rate * num / (sqrt(den) + eps), into `out`: Adam's step (m, v) and Adagrad's (g, accum)."""
+    np.sqrt(den, out=out)
     out += eps
-    np.divide(m, out, out=out)
-    out *= lr_t
-    return out
-
-
-def _adagrad_step(grad, accum, lr, eps, out) -> np.ndarray:
-    """lr * g / (sqrt(accum) + eps), into `out`."""
-    np.sqrt(accum, out=out)
-    out += eps
-    np.divide(grad, out, out=out)
-    out *= lr
+    np.divide(num, out, out=out)
+    out *= rate
     return out
