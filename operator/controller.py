@@ -93,12 +93,12 @@ class Controller:
 
     def _read(self, key: Key, job: tuple[str, str], new_body: dict | None, live_body: dict | None) -> tuple[dict | None, list[dict]]:
         """The job and its pods for one pass (see reconcile)."""
-        cached = self.pods.pods(job, RELIST_SECONDS) if live_body is not None else None
         if new_body is not None:
             # No reads: a new job has no pods, unless an operator died while creating them; those
             # answer 409 (no duplicate), and then the next pass reads everything.
             self.pods.replace(job, [], None)
             return new_body, []
+        cached = self.pods.pods(job, RELIST_SECONDS) if live_body is not None else None
         if cached is not None:
             return self._newest(job, copy.deepcopy(live_body)), cached
         # Both reads at once: they are independent, and the previous pass's writes are done.
