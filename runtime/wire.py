@@ -74,7 +74,7 @@ def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
     for name, arr in tensors.items():
         lazy = hasattr(arr, "blocks")  # its bytes come later, block by block (see `expand`)
         if not lazy:
-            arr = np.ascontiguousarray(arr)
+            arr = np.ascontiguousarray(arr).reshape(np.shape(arr))  # ascontiguousarray makes a 0-d array 1-d
         pad = -offset % ALIGN
         if pad:
             bufs.append(_ZEROS[:pad])

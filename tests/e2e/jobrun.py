@@ -128,6 +128,9 @@ class Watch:
     process_duplicates: list[str] = field(default_factory=list)
     too_many: list[str] = field(default_factory=list)
     polls: int = 0
+    # (replica type, index) -> the highest container restart count seen on its pod: cleanPodPolicy
+    # may delete a finished job's PS pods before the test reads them.
+    restarts: dict[tuple[str, int], int] = field(default_factory=dict)
 
 
 class JobRun:
@@ -173,6 +176,11 @@ class JobRun:
             return
         if self.watch.polls % 3 == 0:
             self._ship_logs(pods)
+        for pod in pods:
+            cs = next((c for c in pod.status.container_statuses or [] if c.name == "tensorflow"), None)
+            if cs is not None:
+                key = (pod.metadata.labels.get(LABEL_TYPE), int(pod.metadata.labels.get(LABEL_INDEX)))
+                self.watch.restarts[key] = max(self.watch.restarts.get(key, 0), cs.restart_count)
         live = [p for p in pods if p.status.phase not in ("Succeeded", "Failed")]
         keys = Counter((p.metadata.labels.get(LABEL_TYPE), p.metadata.labels.get(LABEL_INDEX)) for p in live)
         for key, n in keys.items():

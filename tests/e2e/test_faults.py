@@ -189,8 +189,7 @@ def test_fault_mid_run_is_survived(cluster, stack, baseline, fault, tmp_path, re
     figures = _check_run(run, baseline, fault, before, record_property, status)
     if fault.startswith("ps-0"):
         assert 0 in figures["restores"], "PS 0 did not restore its checkpoint"
-        restarted = run.pod("ps", 0).status.container_statuses[0].restart_count
-        assert restarted == (1 if "SIGKILL" in fault else 0)
+        assert run.watch.restarts.get(("ps", 0)) == (1 if "SIGKILL" in fault else 0), run.watch.restarts
 
 
 def test_crash_in_the_middle_of_a_checkpoint_restores_the_previous_one(cluster, stack, baseline, tmp_path,
@@ -211,7 +210,7 @@ def test_crash_in_the_middle_of_a_checkpoint_restores_the_previous_one(cluster, 
         folder = tmp_path / "checkpoints" / f"ps-{ps}"
         assert (folder / CRASH_MARKER).read_text() == str(crash_at)
         assert list(folder.glob(".shard-*.tmp")), "the half-written temporary file should be left by the crash"
-        assert run.pod("ps", ps).status.container_statuses[0].restart_count == 1
+        assert run.watch.restarts.get(("ps", ps)) == 1, run.watch.restarts
 
 
 def test_workers_scaled_up_live_mid_run(cluster, stack, tmp_path, record_property):

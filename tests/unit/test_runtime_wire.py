@@ -11,6 +11,7 @@ def test_round_trip_keeps_names_dtypes_shapes_and_values():
     assert msg.meta == {"worker": 1, "tag": 7}
     for name, arr in tensors.items():
         assert msg.tensors[name].dtype == arr.dtype
+        assert msg.tensors[name].shape == arr.shape, name  # a scalar stays 0-d
         np.testing.assert_array_equal(msg.tensors[name], arr)
 
 
