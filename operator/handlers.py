@@ -25,6 +25,7 @@ from .controller import RELIST_SECONDS, Controller
 from .metrics import OperatorMetrics
 from .status import scheduling_gated, unschedulable_reason
 
+POD_SELECTOR = f"{naming.LABEL_MANAGED_BY}={naming.MANAGED_BY},{naming.LABEL_JOB}"
 RETRY_SECONDS = 2.0  # after an API error, before the next attempt
 # Pod events come in bursts (10 pods created, then scheduled, then started): one pass
 # shortly after the first event sees them all instead of one pass per event.
@@ -126,6 +127,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.priority = peering.priority
     settings.peering.lifetime = peering.lifetime
     settings.peering.stealth = True
+    # Only our pods come down the pod watch (the handler's own filter is client-side: without
+    # this, every pod of the cluster would be sent, decoded and dropped).
+    settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
     # Watches are re-established every few minutes, so a silently dropped connection
     # never leaves a job without events for long.
     settings.watching.server_timeout = int(RELIST_SECONDS)

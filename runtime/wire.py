@@ -13,6 +13,7 @@ UNARY_MAX_BYTES travel as a gRPC stream of CHUNK_BYTES chunks (see `encode_chunk
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -164,7 +165,7 @@ def decode(data: bytes) -> Message:
             nbytes = int(nbytes)
         except (KeyError, ValueError, TypeError):
             raise WireError("wrong_dtype", f"tensor entry {entry!r}: unsupported dtype or bad entry") from None
-        if any(d < 0 for d in shape) or nbytes != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        if any(d < 0 for d in shape) or nbytes != math.prod(shape) * dtype.itemsize:
             raise WireError("wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {dtype_name}")
         offset += -offset % align
         if offset + nbytes > len(view):

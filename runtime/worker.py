@@ -46,19 +46,40 @@ def loss_fn(kind: str, logits, y):
 
 
 def make_grad_fn(model: ModelDef, wire_dtype: WireDtype = WireDtype.FLOAT32):
-    """`grad_fn(params, x, y) -> (loss, grads)`. Computes in float32 whatever precision the
-    parameters came in; dense gradients leave in `wire_dtype` (embedding rows in float32)."""
+    """`grad_fn(params, x, y) -> (loss, grads)`, all tensors. Computes in float32 whatever precision
+    the parameters came in; dense gradients leave in `wire_dtype` (embedding rows in float32).
+
+    The rows of an embedding table and the batch change size every step. A `tf.function` with
+    `reduce_retracing` serves them with a relaxed trace, but first looks each new shape up among
+    every trace it holds: on the 2M-row click model that lookup took twice the gradient's own
+    time. So each set of input dtypes gets one concrete function, traced once with those
+    dimensions left open, and is called directly."""
     out_dtype = tf.as_dtype(wire_dtype.value)
     sparse = {p.name for p in model.sparse_params}
 
-    @tf.function(reduce_retracing=True)
-    def grad_fn(params, x, y):
+    @tf.function
+    def traced(params, x, y):
         params = {k: tf.cast(v, tf.float32) for k, v in params.items()}
         with tf.GradientTape() as tape:
             tape.watch(params)
             loss = loss_fn(model.loss, model.forward(params, x), y)
         grads = tape.gradient(loss, params)
         return loss, {k: tf.convert_to_tensor(g) if k in sparse else tf.cast(g, out_dtype) for k, g in grads.items()}
+
+    def spec(tensor, fixed: bool) -> tf.TensorSpec:
+        shape = tensor.shape if fixed or not tensor.shape.rank else [None, *tensor.shape[1:]]
+        return tf.TensorSpec(shape, tensor.dtype)
+
+    concrete: dict = {}
+
+    def grad_fn(params, x, y):
+        key = (tuple((k, v.dtype) for k, v in params.items()), tuple((k, v.dtype, v.shape.rank) for k, v in x.items()),
+               y.dtype, y.shape.rank)
+        fn = concrete.get(key)
+        if fn is None:
+            fn = concrete[key] = traced.get_concrete_function(
+                {k: spec(v, k not in sparse) for k, v in params.items()}, {k: spec(v, False) for k, v in x.items()}, spec(y, False))
+        return fn(params, x, y)
 
     return grad_fn
 
@@ -105,6 +126,16 @@ def export_saved_model(model: ModelDef, params: dict, example_x: dict, path: str
     tf.saved_model.save(module, path, signatures={"serving_default": serve})
 
 
+PLANS_KEPT = 3  # batch plans kept around the current data step (a pipelined worker plans two ahead)
+
+
+def _aligned_concat(pieces: list[np.ndarray]) -> np.ndarray:
+    """np.concatenate into an aligned buffer, which TensorFlow then uses in place (zerocopy.as_tensor)."""
+    shape = (sum(len(p) for p in pieces), *pieces[0].shape[1:])
+    out = wire.aligned_empty(int(np.prod(shape)) * pieces[0].itemsize).view(pieces[0].dtype).reshape(shape)
+    return np.concatenate(pieces, out=out)
+
+
 @dataclass
 class _Reply:
     version: int
@@ -134,7 +165,7 @@ class Worker:
         self.mode = training.consistency.mode
         self.plan: Placement = place(model.params, len(ps_addresses))
         self.clients = [ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc, security=security) for k, a in enumerate(ps_addresses)]
-        self.pool = futures.ThreadPoolExecutor(len(self.clients), thread_name_prefix="push") if len(self.clients) > 1 else None
+        self.pool = futures.ThreadPoolExecutor(len(self.clients) - 1, thread_name_prefix="push") if len(self.clients) > 1 else None
         self.train, self.test = model.data()
         self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)
         self.grad_fn = make_grad_fn(model, training.wire_dtype)
@@ -148,6 +179,7 @@ class Worker:
         self.params: dict[str, tf.Tensor] = {}
         self.rows: dict[str, np.ndarray] = {}
         self._rows_step = None  # data step the cached rows were pulled for
+        self._plans: dict[int, tuple] = {}  # data step -> (its BatchSource, _batch_plan's answer)
         self.done = False
         self.clock = 0
         self.shard_clocks = [0] * len(self.clients)  # per shard: its count of this worker's pushes
@@ -156,13 +188,20 @@ class Worker:
         self.step_times: list[float] = []
         if pipeline is None:
             pipeline = ProcessSettings().pipeline
-        self.pipeline = pipeline and self.mode is not ConsistencyMode.SYNC and not self.sparse
+        self.pipeline = pipeline and self.mode is not ConsistencyMode.SYNC
 
     # ---- calls to all shards in parallel ----
     def _map(self, fn, items):
-        if self.pool is None:
-            return [fn(*items[0])]
-        return list(self.pool.map(lambda a: fn(*a), items))
+        """fn over items, one per shard, in parallel: the first in this thread, the others in the pool."""
+        if self.pool is None or len(items) == 1:
+            return [fn(*a) for a in items]
+        rest = [self.pool.submit(fn, *a) for a in items[1:]]
+        try:
+            first = fn(*items[0])
+        except BaseException:
+            futures.wait(rest)  # no call outlives the step
+            raise
+        return [first, *(f.result() for f in rest)]
 
     def _call(self, k: int, meta: dict, tensors: dict) -> _Reply:
         msg = self.clients[k].step({"worker": self.index, "workers": self.num_workers, **meta}, tensors, self._large[k])
@@ -190,13 +229,13 @@ class Worker:
         rows = {}
         for name, table_routes in routes.items():
             pieces = [replies[part.ps].msg.tensors[f"{part.name}:rows"] for part, _, _ in table_routes]
-            rows[name] = np.concatenate(pieces) if len(pieces) != 1 else pieces[0]
+            rows[name] = pieces[0] if len(pieces) == 1 else _aligned_concat(pieces)
         return rows
 
     def _take_params(self, replies: list[_Reply]) -> None:
         for name in self.dense_vars:
             pieces = [replies[p.ps].msg.tensors[p.name] for p in sorted(self.plan.parts_of(name), key=lambda p: p.start)]
-            self.params[name] = as_tensor(pieces[0] if len(pieces) == 1 else np.concatenate(pieces))
+            self.params[name] = as_tensor(pieces[0] if len(pieces) == 1 else _aligned_concat(pieces))
 
     def _absorb(self, replies: list[_Reply], sent_tags: list[int] | None, row_requests: list[dict]) -> list[_Reply]:
         """Re-ask shards that answered `pending` until every shard has parameters."""
@@ -239,17 +278,29 @@ class Worker:
         self.metrics.pull_seconds.observe(time.perf_counter() - t0)
         return [replies.get(k) for k in range(len(self.clients))]
 
+    def _batch_plan(self, step: int) -> tuple[dict, np.ndarray, list[dict], dict]:
+        """Data step `step`'s batch, its id features remapped onto its unique ids, per shard the
+        rows to ask for, and per table its routes. The plan made for the next batch (whose rows
+        ride along with a push) serves that batch's compute too."""
+        cached = self._plans.get(step)
+        if cached is not None and cached[0] is self.batches:
+            return cached[1]
+        x, y = self.batches(step)
+        requests, routes = [dict() for _ in self.clients], {}
+        if self.sparse:
+            x, requests, routes = self._sparse_plan(x)
+        self._plans = {k: v for k, v in self._plans.items() if step - PLANS_KEPT < k < step + PLANS_KEPT}
+        self._plans[step] = (self.batches, (x, y, requests, routes))
+        return self._plans[step][1]
+
     def _compute(self, step: int):
         """Gradients of data step `step` on the current parameters."""
-        x, y = self.batches(step)
-        routes: dict = {}
-        if self.sparse:
-            x, row_requests, routes = self._sparse_plan(x)
-            if self._rows_step != step:
-                self.rows = self._rows_from(self._pull_rows(row_requests), routes)
+        x, y, row_requests, routes = self._batch_plan(step)
+        if self.sparse and self._rows_step != step:
+            self.rows = self._rows_from(self._pull_rows(row_requests), routes)
         t0 = time.perf_counter()
-        params = {**self.params, **{k: tf.convert_to_tensor(v) for k, v in self.rows.items()}}
-        loss, grads = self.grad_fn(params, {k: tf.convert_to_tensor(v) for k, v in x.items()}, tf.convert_to_tensor(y))
+        params = {**self.params, **{k: as_tensor(v) for k, v in self.rows.items()}}
+        loss, grads = self.grad_fn(params, {k: as_tensor(v) for k, v in x.items()}, as_tensor(y))
         loss = float(loss)
         grads = {k: np.asarray(v) for k, v in grads.items()}  # no copy: the tensors are ours
         self.metrics.compute_seconds.observe(time.perf_counter() - t0)
@@ -286,7 +337,7 @@ class Worker:
         # The rows of the next batch ride along with this push.
         next_requests, next_routes = [dict() for _ in self.clients], {}
         if self.sparse:
-            _, next_requests, next_routes = self._sparse_plan(self.batches(step + 1)[0])
+            _, _, next_requests, next_routes = self._batch_plan(step + 1)
         replies = self._exchange(list(self.versions), self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, next_requests)
         self._update_state(replies)
         if self.sparse:
@@ -295,26 +346,42 @@ class Worker:
         self._count(loss, batch, t_step)
 
     def _run_pipelined(self) -> None:
-        """Async, dense models: push step k's gradients while computing step k+1's on the
-        parameters at hand (one step more staleness, communication hidden behind compute)."""
+        """Async and bounded modes: push step k's gradients while computing step k+1's on the
+        parameters at hand (one step more staleness, communication hidden behind compute).
+        With embedding tables, push k asks for the rows of batch k+2, the first one computed
+        after its reply is in; the rows of the first two batches are pulled before."""
         comm = futures.ThreadPoolExecutor(1, thread_name_prefix="exchange")
-        inflight = None
+        inflight = None  # (the exchange, the data step whose rows it brings, their routes)
         step = self.clock
-        no_rows = [dict() for _ in self.clients]
+        ahead: dict[int, dict[str, np.ndarray]] = {}
+        if self.sparse:
+            for data_step in (step, step + 1):
+                _, _, requests, routes = self._batch_plan(data_step)
+                ahead[data_step] = self._rows_from(self._pull_rows(requests), routes)
         try:
             while not self.done:
                 t_step = time.perf_counter()
                 tags = list(self.versions)
+                if self.sparse:
+                    self.rows, self._rows_step = ahead.pop(step), step
                 loss, grads, routes, batch = self._compute(step)
                 if inflight is not None:
-                    self._update_state(inflight.result())
+                    exchange, rows_step, rows_routes = inflight
+                    replies = exchange.result()
+                    self._update_state(replies)
+                    if self.sparse:
+                        ahead[rows_step] = self._rows_from(replies, rows_routes)
                     if self.done:
                         break
-                inflight = comm.submit(self._exchange, tags, self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, no_rows)
+                requests, routes_ahead = [dict() for _ in self.clients], {}
+                if self.sparse:
+                    _, _, requests, routes_ahead = self._batch_plan(step + 2)
+                inflight = (comm.submit(self._exchange, tags, self._split_grads(grads, routes),
+                                        {"pull": True, "batch": batch, "loss": loss}, requests), step + 2, routes_ahead)
                 step += 1
                 self._count(loss, batch, t_step)
             if inflight is not None and not self.done:
-                self._update_state(inflight.result())
+                self._update_state(inflight[0].result())
         finally:
             comm.shutdown(wait=True)
 

@@ -96,3 +96,22 @@ def test_an_entry_older_than_the_relist_period_reads_as_none(monkeypatch):
     assert cache.pods(JOB, max_age=300) is not None
     clock[0] += 2
     assert cache.pods(JOB, max_age=300) is None and cache.pods(JOB) is not None
+
+
+def test_the_pod_watch_selects_every_pod_the_operator_makes_and_only_those():
+    """The operator's pod watch filters on the API server (handlers.POD_SELECTOR): a label the
+    builders stop setting would leave every job without pod events."""
+    from tfps.operator.handlers import POD_SELECTOR
+
+    def selects(labels: dict) -> bool:
+        for term in POD_SELECTOR.split(","):
+            key, eq, value = term.partition("=")
+            if key not in labels or (eq and labels[key] != value):
+                return False
+        return True
+
+    pods = builders.desired_pods(_job(), OperatorConfig())
+    assert pods and all(selects(p["metadata"]["labels"]) for p in pods)
+    other = dict(pods[0]["metadata"]["labels"])
+    del other["tfps.io/job-name"]
+    assert not selects(other) and not selects({"app": "web"})

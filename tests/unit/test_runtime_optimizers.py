@@ -63,11 +63,12 @@ def test_a_bfloat16_dense_gradient_is_applied_as_float32():
     np.testing.assert_allclose(new_var, reference("sgd", spec, W0, [grad.astype(np.float32)]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("order", [[4, 1, 4], [1, 4, 4], [1, 4], [4, 1]])  # a repeated row is summed, in any order
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad"])
-def test_sparse_update_moves_only_the_touched_rows(name):
+def test_sparse_update_moves_only_the_touched_rows(name, order):
     spec, opt, var, slots = _setup(name)
-    rows = np.array([4, 1, 4], np.int64)  # a repeated row is summed
-    values = RNG.normal(size=(3, 3)).astype(np.float32)
+    rows = np.array(order, np.int64)
+    values = RNG.normal(size=(len(rows), 3)).astype(np.float32)
     opt.apply_sparse(var, slots, rows, values, 1)
     after = var
     untouched = [0, 2, 3, 5]
