@@ -1,4 +1,4 @@
-"""The TFPS_* environment a PS or worker process reads, in one pydantic-settings model.
+"""The TFPS_* environment a PS or worker process reads, in one pydantic model.
 
 In a pod the operator sets these (operator/builders.py), `tfps local` sets the same for its
 processes (runtime/local.py); the rest are knobs with the defaults below. Each field's
@@ -7,19 +7,21 @@ variable is its alias, spelled in api/naming.py.
 from __future__ import annotations
 
 import json
-from typing import Any
+import os
+from typing import Any, Mapping
 
-from pydantic import AliasChoices, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from . import naming
 from .spec import TrainingSpec
 
 
-class ProcessSettings(BaseSettings):
-    """`ProcessSettings()` reads os.environ; `ProcessSettings.from_env(env)` reads a dict."""
+class ProcessSettings(BaseModel):
+    """`ProcessSettings.from_env()` reads os.environ, `ProcessSettings.from_env(env)` a given
+    mapping. (A plain model, not pydantic-settings' BaseSettings: that package's imports are
+    ~5 MiB of every PS's resident memory, for what one `model_validate` of the environment does.)"""
 
-    model_config = SettingsConfigDict(extra="ignore", case_sensitive=True)
+    model_config = ConfigDict(extra="ignore")
 
     tf_config: str | None = Field(None, validation_alias=AliasChoices(naming.ENV_TF_CONFIG))
     job_name: str = Field("local", validation_alias=AliasChoices(naming.ENV_JOB_NAME))
@@ -55,13 +57,5 @@ class ProcessSettings(BaseSettings):
         return None if self.data_port == "off" else int(self.data_port or 0)
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "ProcessSettings":
-        return cls() if env is None else _FromMapping(**env)
-
-
-class _FromMapping(ProcessSettings):
-    """The same settings from a given mapping only (tests, `tfps local`), not os.environ."""
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, **_sources):
-        return (init_settings,)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "ProcessSettings":
+        return cls.model_validate(dict(os.environ if env is None else env))

@@ -11,7 +11,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -25,7 +24,9 @@ MODEL_FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*([.][A-Za-z_][A-Za-z0-9_]*)*:[
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    # defer_build: a model's validator is built when first used, so a PS builds only those of
+    # the spec parts it reads.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", defer_build=True)
 
     def to_manifest(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -187,6 +188,8 @@ class TrainingJob(_Model):
 
 def load_manifest(path: str | Path) -> TrainingJob:
     """Read the first TrainingJob in a YAML file; a clear ValueError names what is wrong."""
+    import yaml  # here: PS and worker processes never read a manifest
+
     with open(path) as fh:
         for doc in yaml.safe_load_all(fh):
             if isinstance(doc, dict) and doc.get("kind") == KIND:

@@ -68,7 +68,7 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
 
 
 def _crash_hook(folder: Path, meta: dict) -> None:
-    at = ProcessSettings().crash_at
+    at = ProcessSettings.from_env().crash_at
     if at is None or str(meta.get("version")) != str(at) or (folder / CRASH_MARKER).exists():
         return
     (folder / CRASH_MARKER).write_text(str(at))

@@ -131,7 +131,7 @@ def configure_threads(tensorflow: bool = True) -> int | None:
     several processes on one machine), else the pod's CPU limit; logged, and with `tensorflow`
     TensorFlow's thread pools sized to it. TensorFlow would otherwise size them to every core
     of the node, and processes sharing cores then spin against each other."""
-    threads = ProcessSettings().intra_op_threads
+    threads = ProcessSettings.from_env().intra_op_threads
     count = threads or cgroup_cpus()
     if count and tensorflow:
         import tensorflow as tf

@@ -187,7 +187,7 @@ class Worker:
         self.steps_done = 0
         self.step_times: list[float] = []
         if pipeline is None:
-            pipeline = ProcessSettings().pipeline
+            pipeline = ProcessSettings.from_env().pipeline
         self.pipeline = pipeline and self.mode is not ConsistencyMode.SYNC
 
     # ---- calls to all shards in parallel ----

@@ -129,7 +129,7 @@ def test_fault_syntax():
 
 
 def test_settings_name_the_variables_api_naming_spells():
-    """Every TFPS_* knob is read through one pydantic-settings model, under the names that
+    """Every TFPS_* knob is read through one pydantic model, under the names that
     tfps.api.naming declares (the operator writes those names into pods)."""
     from tfps.api import naming
     from tfps.api.settings import ProcessSettings
