@@ -75,7 +75,7 @@ class ShardOptimizer:
             np.subtract(var, new, out=new)
             return new, {"momentum": accum}
         if name is OptimizerName.ADAM:
-            m, v = _adam_moments(slots["m"], slots["v"], grad, self._b1, self._b2)
+            m, v = _adam_moments(slots["m"].copy(), slots["v"].copy(), grad, self._b1, self._b2)
             _scaled_step(m, v, self._adam_rate(t), self._eps, out=new)
             np.subtract(var, new, out=new)
             return new, {"m": m, "v": v}
@@ -89,39 +89,44 @@ class ShardOptimizer:
 
     def apply_sparse(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, values: np.ndarray, t: int) -> None:
         """Update only `rows` (local row numbers, may repeat: repeated rows are summed) of
-        `var` and its slots, in place."""
+        `var` and its slots, in place. (np.take gathers a table's rows in half the time of
+        fancy indexing; each gathered block is a fresh array, updated in place, then written back.)"""
         rows, grad = sum_duplicates(rows, values)
         if grad.dtype != np.float32:
             grad = grad.astype(np.float32)
         name, lr = self.name, self._lr
         if name is OptimizerName.SGD:
-            var[rows] -= grad * lr
+            step = grad * lr
         elif name is OptimizerName.MOMENTUM:
-            accum = slots["momentum"][rows] * self._momentum
+            accum = np.take(slots["momentum"], rows, axis=0)
+            accum *= self._momentum
             accum += grad
             slots["momentum"][rows] = accum
-            var[rows] -= accum * lr
+            step = accum * lr
         elif name is OptimizerName.ADAM:
-            m, v = _adam_moments(slots["m"][rows], slots["v"][rows], grad, self._b1, self._b2)
+            m, v = _adam_moments(np.take(slots["m"], rows, axis=0), np.take(slots["v"], rows, axis=0), grad, self._b1, self._b2)
             slots["m"][rows] = m
             slots["v"][rows] = v
-            var[rows] -= _scaled_step(m, v, self._adam_rate(t), self._eps, out=np.empty_like(m))
+            step = _scaled_step(m, v, self._adam_rate(t), self._eps, out=np.empty_like(m))
         elif name is OptimizerName.ADAGRAD:
-            accum = slots["accumulator"][rows] + np.square(grad)
+            accum = np.take(slots["accumulator"], rows, axis=0)
+            accum += np.square(grad)
             slots["accumulator"][rows] = accum
-            var[rows] -= _scaled_step(grad, accum, lr, self._eps, out=np.empty_like(accum))
+            step = _scaled_step(grad, accum, lr, self._eps, out=np.empty_like(accum))
         else:  # pragma: no cover
             raise ValueError(name)
+        new = np.take(var, rows, axis=0)
+        new -= step
+        var[rows] = new
 
 
 def _adam_moments(m, v, grad, b1, b2) -> tuple[np.ndarray, np.ndarray]:
-    """New arrays: b1*m + (1-b1)*g and b2*v + (1-b2)*g²."""
-    m_new = grad * (1 - b1)
-    m_new += m * b1
-    v_new = np.square(grad)
-    v_new *= 1 - b2
-    v_new += v * b2
-    return m_new, v_new
+    """b1*m + (1-b1)*g and b2*v + (1-b2)*g², computed into `m` and `v` (fresh arrays the caller owns)."""
+    m *= b1
+    m += grad * (1 - b1)
+    v *= b2
+    v += np.square(grad) * (1 - b2)
+    return m, v
 
 
 def _scaled_step(num, den, rate, eps, out) -> np.ndarray:
