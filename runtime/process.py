@@ -7,6 +7,7 @@ local` sets the same variables for its processes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import math
@@ -142,6 +143,13 @@ def configure_threads(tensorflow: bool = True) -> int | None:
         "event": "threads", "threads": count, "source": "env" if threads else ("cgroup" if count else "default"),
         "tensorflow": tensorflow}))
     return count
+
+
+def freeze_startup_objects() -> None:
+    """Take everything alive now (imports, the model, TensorFlow's ~300k objects) out of the
+    garbage collector's sight: it lives as long as the process, and each full collection
+    would scan it again (~180 ms in a worker on this machine, a stall of the step it lands in)."""
+    gc.freeze()
 
 
 def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:

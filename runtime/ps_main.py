@@ -10,7 +10,7 @@ import logging
 import signal
 import threading
 
-from .process import add_pod_arguments, start_pod_process
+from .process import add_pod_arguments, freeze_startup_objects, start_pod_process
 
 log = logging.getLogger("tfps.ps")
 
@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         num_ps=len(cfg.cluster.ps),
     )
     server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security, data_port=cfg.data_port)
+    freeze_startup_objects()
     log.info(json.dumps({
         "event": "serving", "address": cfg.listen_address(port), "data_port": server.data_port, "metrics_port": metrics_port,
         "step": shard.version,

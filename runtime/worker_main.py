@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from .process import add_pod_arguments, start_pod_process
+from .process import add_pod_arguments, freeze_startup_objects, start_pod_process
 
 log = logging.getLogger("tfps.worker")
 
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
         retry_seconds=cfg.settings.ps_retry_seconds,
         security=security,
     )
+    freeze_startup_objects()
     log.info(json.dumps({"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}))
     try:
         worker.run()
