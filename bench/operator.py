@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,12 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
               timeline: bool = False) -> dict:
     from kubernetes import client, config, watch
 
+    from .training_operator import install_crd
+
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise SystemExit('kubectl is not on PATH: eval "$(hack/cluster.sh env)" first')
+    install_crd(kubectl, kubeconfig, REPO / "crds" / "trainingjob.yaml", f"{PLURAL}.{GROUP}")  # a fresh cluster has none
     api = config.new_client_from_config(config_file=kubeconfig)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     ns = _new_namespace(core, client)
