@@ -29,6 +29,12 @@ log = logging.getLogger(__name__)
 RELIST_SECONDS = 300.0
 
 
+def _own_status(body: dict) -> dict:
+    """The watch's job with a status of its own: a pass changes only the status it plans from,
+    and metadata (managedFields) and spec are most of a job's bytes, so they are not copied."""
+    return {**body, "status": copy.deepcopy(body.get("status"))} if "status" in body else dict(body)
+
+
 @dataclass
 class Outcome:
     body: dict  # the job as read before acting (for Events)
@@ -100,7 +106,7 @@ class Controller:
             return new_body, []
         cached = self.pods.pods(job, RELIST_SECONDS) if live_body is not None else None
         if cached is not None:
-            return self._newest(job, copy.deepcopy(live_body)), cached
+            return self._newest(job, _own_status(live_body)), cached
         # Both reads at once: they are independent, and the previous pass's writes are done.
         job_read = self._calls.submit(key, self.kube.get_job, *job)
         pods_read = self._calls.submit(key, self.kube.pod_list, *job)
@@ -155,6 +161,14 @@ class Controller:
         patches = kueue.release_patches(pods, body["metadata"].get("uid", ""), ending=kueue.ending(result.status.get("phase")),
                                         restart=result.restart, delete=result.delete)
         self._calls.map(key, lambda item: self.kube.patch_pod(namespace, *item), patches)
+
+    def update_progress(self, namespace: str, name: str, previous: progress.Sample | None) -> progress.Sample | None:
+        """Write status.progress from the PS pods' metrics, when they answer; the sample to
+        compare with next time."""
+        new, sample = self.read_progress(namespace, name, previous)
+        if new:
+            self._written[(namespace, name)] = self.kube.patch_job_status(namespace, name, {"progress": new})
+        return sample
 
     def read_progress(self, namespace: str, name: str, previous: progress.Sample | None) -> tuple[dict | None, progress.Sample | None]:
         """status.progress from the PS pods' metrics, and the sample to compare with next time."""

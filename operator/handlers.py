@@ -1,10 +1,11 @@
-"""Thin kopf handlers: settings, one reconcile loop (daemon) per TrainingJob, wake-ups on
-pod and spec changes, a progress timer, and cleanup on deletion.
+"""Thin kopf handlers: settings, one reconcile loop (daemon) per TrainingJob, which also reads
+its progress, wake-ups on spec changes and (from the operator's own pod watch, podwatch.py) on
+pod changes, and cleanup on deletion.
 
 The handlers are plain module-level functions; what they share (the controller, the wake-up
 flag of each job, ...) is one `Shared` object in kopf's memo (`kopf.run(memo=...)`, see
 operator/main.py). `register()` only binds them to a registry, so nothing happens at import
-time and the timer's interval comes from the configuration.
+time.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 from .config import OperatorConfig
 from .controller import RELIST_SECONDS, Controller
 from .metrics import OperatorMetrics
+from .podwatch import PodWatch
 from .status import scheduling_gated, unschedulable_reason
 
 POD_SELECTOR = f"{naming.LABEL_MANAGED_BY}={naming.MANAGED_BY},{naming.LABEL_JOB}"
@@ -30,6 +32,7 @@ RETRY_SECONDS = 2.0  # after an API error, before the next attempt
 # Pod events come in bursts (10 pods created, then scheduled, then started): one pass
 # shortly after the first event sees them all instead of one pass per event.
 COALESCE_SECONDS = 0.1
+PROGRESS_PHASES = ("Running", "Restarting")  # when a job's PS pods have metrics to read
 
 
 @dataclass
@@ -51,6 +54,8 @@ class Shared:
     config: OperatorConfig
     metrics: OperatorMetrics
     peering: Peering
+    namespaces: list[str] = field(default_factory=list)  # served; none: the whole cluster
+    pod_watch: PodWatch | None = None
     wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
     pod_state: dict[str, tuple[str, bool, int, bool, bool]] = field(default_factory=dict)  # by pod uid
@@ -58,6 +63,10 @@ class Shared:
     def wake_job(self, namespace: str, name: str) -> None:
         event = self.wake.get((namespace, name))
         if event is not None:
+            event.set()
+
+    def wake_all(self) -> None:
+        for event in self.wake.values():
             event.set()
 
 
@@ -100,7 +109,7 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float)
             waiter.cancel()
 
 
-def _pod_state(pod: kopf.Body) -> tuple[str, bool, int, bool, bool]:
+def _pod_state(pod: dict) -> tuple[str, bool, int, bool, bool]:
     """What of a pod can change a job's status: phase, deletion, restarts, unschedulable, gated."""
     status = pod.get("status") or {}
     restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
@@ -127,9 +136,6 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.priority = peering.priority
     settings.peering.lifetime = peering.lifetime
     settings.peering.stealth = True
-    # Only our pods come down the pod watch (the handler's own filter is client-side: without
-    # this, every pod of the cluster would be sent, decoded and dropped).
-    settings.watching.label_selectors["v1", "pods"] = POD_SELECTOR
     # Watches are re-established every few minutes, so a silently dropped connection
     # never leaves a job without events for long.
     settings.watching.server_timeout = int(RELIST_SECONDS)
@@ -147,8 +153,8 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 async def _reconcile_once(shared: Shared, key: tuple[str, str], meta: kopf.Meta, first: dict | None,
-                          live: dict | None, logger: logging.Logger) -> float | None:
-    """One pass; the seconds until the next one, or None when the job is gone."""
+                          live: dict | None, logger: logging.Logger) -> tuple[float | None, str | None]:
+    """One pass: the seconds until the next one (None when the job is gone), and the phase."""
     namespace, name = key
     delay = shared.config.resync_seconds
     try:
@@ -158,15 +164,36 @@ async def _reconcile_once(shared: Shared, key: tuple[str, str], meta: kopf.Meta,
         shared.controller.pods.drop(key)  # and the retry reads everything again
         shared.metrics.reconcile_errors.inc()
         logger.warning("reconcile failed, retrying in %.0fs: %s", RETRY_SECONDS, err)
-        return RETRY_SECONDS
+        return RETRY_SECONDS, None
     if outcome is None:
-        return None  # gone or being deleted: the deletion handler takes over
+        return None, None  # gone or being deleted: the deletion handler takes over
     shared.seen_generation[key] = outcome.body["metadata"].get("generation", 0)
-    shared.metrics.job_phase(key, outcome.plan.status.get("phase"))
+    phase = outcome.plan.status.get("phase")
+    shared.metrics.job_phase(key, phase)
     _post_events(outcome.body, outcome.plan.events)
     if outcome.plan.requeue_after is not None:
         delay = min(delay, outcome.plan.requeue_after + 0.05)
-    return delay
+    return delay, phase
+
+
+@dataclass
+class _Progress:
+    """When a job's status.progress is due next, and the last sample (for examples per second)."""
+
+    every: float
+    due: float = 0.0
+    sample: Any = None
+
+    async def update(self, shared: Shared, key: tuple[str, str], logger: logging.Logger) -> None:
+        loop = asyncio.get_running_loop()
+        self.due = loop.time() + self.every
+        try:
+            self.sample = await loop.run_in_executor(shared.executor, shared.controller.update_progress, *key, self.sample)
+        except Exception as err:  # the next read tries again
+            logger.warning("progress not written: %s", err)
+
+    def seconds_left(self) -> float:
+        return max(0.0, self.due - asyncio.get_running_loop().time())
 
 
 async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, stopped: kopf.DaemonStopped,
@@ -177,15 +204,23 @@ async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, 
     wake = shared.wake.setdefault(key, asyncio.Event())
     # A job never reconciled: its first pass starts from the body the event brought.
     new = None if body.get("status") else copy.deepcopy(dict(body))
+    # status.progress, from the PS pods' metrics, every progressSeconds while the job trains
+    # (here rather than in a kopf timer: no second task per job, and a plain status patch).
+    progress = _Progress(shared.config.progress_seconds)
+    progress.due = asyncio.get_running_loop().time() + progress.every
     try:
         while not stopped:
             wake.clear()
             first, new = new, None
             # Later passes start from what the watches brought: `body` is kopf's live view of the
             # job (a shallow copy: the next event replaces it whole), the pods are cached.
-            delay = await _reconcile_once(shared, key, meta, first, dict(body), logger)
+            delay, phase = await _reconcile_once(shared, key, meta, first, dict(body), logger)
             if delay is None:
                 return
+            if phase in PROGRESS_PHASES:
+                if progress.seconds_left() == 0:
+                    await progress.update(shared, key, logger)
+                delay = min(delay, progress.seconds_left())
             if await _sleep(wake, stopped, delay):
                 await _sleep(asyncio.Event(), stopped, COALESCE_SECONDS)
     finally:
@@ -202,33 +237,46 @@ async def job_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo,
         shared.wake_job(namespace, name)
 
 
-async def pod_event(type: str, namespace: str, uid: str, labels: kopf.Labels, body: kopf.Body,
-                    memo: kopf.Memo, **_: Any) -> None:
-    # Only changes a decision can depend on wake the job (not the scheduler's conditions,
-    # not the ADDED of a pending pod the job's own pass just created).
-    shared: Shared = memo.shared
+def pod_changed(shared: Shared, type: str, pod: dict) -> tuple[str, str] | None:
+    """A pod event (in the pod watch's thread): into the pod cache; the job to wake, when
+    something a decision depends on changed (not the scheduler's conditions, not the ADDED of
+    a pending pod the job's own pass just created)."""
+    meta = pod.get("metadata") or {}
+    uid = meta.get("uid", "")
     if type == "DELETED":
         shared.pod_state.pop(uid, None)
-        shared.controller.pods.forget(body)
+        shared.controller.pods.forget(pod)
     else:
-        shared.controller.pods.observe(body)
-        state = _pod_state(body)
+        shared.controller.pods.observe(pod)
+        state = _pod_state(pod)
         before = shared.pod_state.get(uid)
         shared.pod_state[uid] = state
         if state == before or (before is None and state == ("Pending", False, 0, False, False)):
-            return
-    shared.wake_job(namespace, labels[naming.LABEL_JOB])
+            return None
+    job = (meta.get("labels") or {}).get(naming.LABEL_JOB)
+    return (meta.get("namespace", ""), job) if job else None
 
 
-async def read_progress(name: str, namespace: str, status: kopf.Status, memo: kopf.Memo,
-                        patch: kopf.Patch, **_: Any) -> None:
-    if status.get("phase") not in ("Running", "Restarting"):
-        return
+async def start_pod_watch(memo: kopf.Memo, **_: Any) -> None:
     shared: Shared = memo.shared
-    new, memo.sample = await asyncio.get_running_loop().run_in_executor(
-        shared.executor, shared.controller.read_progress, namespace, name, getattr(memo, "sample", None))
-    if new:
-        patch.status["progress"] = new
+    loop = asyncio.get_running_loop()
+
+    def on_event(type: str, pod: dict) -> None:
+        job = pod_changed(shared, type, pod)
+        if job is not None:
+            loop.call_soon_threadsafe(shared.wake_job, *job)
+
+    def on_gap() -> None:  # events may have been missed: every pass lists its pods again
+        shared.controller.pods.clear()
+        loop.call_soon_threadsafe(shared.wake_all)
+
+    shared.pod_watch = PodWatch(shared.controller.kube, shared.namespaces, POD_SELECTOR, int(RELIST_SECONDS), on_event, on_gap)
+    shared.pod_watch.start()
+
+
+async def stop_pod_watch(memo: kopf.Memo, **_: Any) -> None:
+    if memo.shared.pod_watch is not None:
+        memo.shared.pod_watch.stop()
 
 
 async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
@@ -240,19 +288,18 @@ async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, 
                                                      uid, meta.get("creationTimestamp"))
 
 
-def register(registry: kopf.OperatorRegistry, progress_seconds: float) -> None:
+def register(registry: kopf.OperatorRegistry) -> None:
     """Bind the handlers above to `registry`."""
     resource = dict(group=API_GROUP, version=API_VERSION, plural=PLURAL, registry=registry)
     kopf.on.startup(registry=registry)(configure)
+    kopf.on.startup(registry=registry)(start_pod_watch)
+    kopf.on.cleanup(registry=registry)(stop_pod_watch)
     kopf.on.login(registry=registry)(login)
     # On deletion or pause the loop is told to stop and gets cancellation_backoff seconds to
     # finish its pass before it is cancelled.
     kopf.daemon(**resource, cancellation_backoff=1.0, cancellation_timeout=5.0)(job_loop)
     kopf.on.event(**resource)(job_event)
-    kopf.on.event("", "v1", "pods", labels={naming.LABEL_MANAGED_BY: naming.MANAGED_BY, naming.LABEL_JOB: kopf.PRESENT},
-                  registry=registry)(pod_event)
-    kopf.timer(**resource, interval=progress_seconds, initial_delay=progress_seconds)(read_progress)
-    # optional: this handler asks for no finalizer of its own. (The daemon and the timer do:
+    # optional: this handler asks for no finalizer of its own. (The daemon does:
     # kopf holds a job with tfps.io/operator until it has stopped them, so a job deleted while
     # no operator runs waits for one; owner references remove its children either way.)
     kopf.on.delete(**resource, optional=True)(delete_children)

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+import math
+import threading
+import time
+from typing import Any, Callable, Iterator
+from urllib.parse import urlencode
 
 from kubernetes import client, config as kube_config
 from kubernetes.client.rest import ApiException
@@ -18,6 +22,27 @@ from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, ReplicaType
 log = logging.getLogger(__name__)
 
 
+# The client asks its config loader for the credentials again before every request, and the
+# loaders (in-cluster and kubeconfig alike) then rewrite the whole configuration, host and
+# proxy settings included: ~2 ms of CPU a call. A token is re-read at most this often instead
+# (the in-cluster loader itself re-reads its file only once a minute).
+CREDENTIALS_REFRESH_SECONDS = 5.0
+
+
+def throttled(hook: Callable[[Any], None], seconds: float, clock: Callable[[], float] = time.monotonic) -> Callable[[Any], None]:
+    """`hook`, run at most once every `seconds`; the calls in between do nothing."""
+    lock, last = threading.Lock(), [-math.inf]
+
+    def refresh(configuration: Any) -> None:
+        with lock:
+            now = clock()
+            if now - last[0] < seconds:
+                return
+            last[0] = now
+        hook(configuration)
+    return refresh
+
+
 def api_client(pool_size: int = 16) -> client.ApiClient:
     """An API client from the pod's service account, else from KUBECONFIG."""
     try:
@@ -26,6 +51,8 @@ def api_client(pool_size: int = 16) -> client.ApiClient:
         kube_config.load_kube_config()
     configuration = client.Configuration.get_default_copy()
     configuration.connection_pool_maxsize = pool_size
+    if configuration.refresh_api_key_hook is not None:
+        configuration.refresh_api_key_hook = throttled(configuration.refresh_api_key_hook, CREDENTIALS_REFRESH_SECONDS)
     return client.ApiClient(configuration)
 
 
@@ -36,26 +63,26 @@ PLURALS = {"NetworkPolicy": "networkpolicies"}
 TIMEOUT = (5, 30)  # seconds: connect, read
 
 
-def _json(resp) -> Any:
-    return json.loads(resp.data)
-
-
-def _done(resp) -> None:
-    """Read a raw (`_preload_content=False`) response to its end: only then does its
-    connection go back to the pool; an unread one costs a new TLS connection per call."""
-    resp.drain_conn()
-    resp.release_conn()
+MERGE_PATCH = "application/merge-patch+json"
 
 
 def _unless_gone(call, *args, **kwargs) -> bool:
     """Make a call about one object; False when the object does not exist (404)."""
     try:
-        _done(call(*args, _preload_content=False, _request_timeout=TIMEOUT, **kwargs))
+        call(*args, **kwargs)
         return True
     except ApiException as err:
         if err.status == 404:
             return False
         raise
+
+
+def _pods_path(namespace: str | None) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods" if namespace else "/api/v1/pods"
+
+
+def _job_path(namespace: str, name: str) -> str:
+    return f"/apis/{API_GROUP}/{API_VERSION}/namespaces/{namespace}/{PLURAL}/{name}"
 
 
 class Kube:
@@ -66,8 +93,7 @@ class Kube:
 
     def get_job(self, namespace: str, name: str) -> dict | None:
         try:
-            return _json(self.custom.get_namespaced_custom_object(
-                API_GROUP, API_VERSION, namespace, PLURAL, name, _preload_content=False, _request_timeout=TIMEOUT))
+            return self._raw("GET", _job_path(namespace, name))
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -75,9 +101,7 @@ class Kube:
 
     def patch_job_status(self, namespace: str, name: str, patch: dict) -> dict:
         """The job as the API server stored it after the patch."""
-        return self.custom.patch_namespaced_custom_object_status(
-            API_GROUP, API_VERSION, namespace, PLURAL, name, {"status": patch},
-            _content_type="application/merge-patch+json", _request_timeout=TIMEOUT)
+        return self._raw("PATCH", _job_path(namespace, name) + "/status", {"status": patch}, MERGE_PATCH)
 
     def delete_job(self, namespace: str, name: str) -> None:
         try:
@@ -94,8 +118,7 @@ class Kube:
     def pod_list(self, namespace: str, job: str, rtype: ReplicaType | None = None) -> tuple[list[dict], str | None]:
         """The job's pods and the resourceVersion the list was read at."""
         selector = naming.job_selector(job) | ({naming.LABEL_TYPE: rtype.task_type} if rtype else {})
-        resp = _json(self.core.list_namespaced_pod(
-            namespace, label_selector=naming.label_selector(selector), _preload_content=False, _request_timeout=TIMEOUT))
+        resp = self._raw("GET", _pods_path(namespace), query={"labelSelector": naming.label_selector(selector)})
         return resp["items"], (resp.get("metadata") or {}).get("resourceVersion")
 
     def create(self, body: dict) -> dict | None:
@@ -123,11 +146,16 @@ class Kube:
             raise
         return any(r.get("name") == plural for r in found.get("resources", []))
 
-    def _raw(self, method: str, path: str, body: dict | None = None) -> dict:
-        """One request with the client's connection and credentials; the answer's JSON."""
+    def _raw(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json",
+             query: dict[str, Any] | None = None) -> dict:
+        """One request with the client's connection and credentials; the answer's JSON. The
+        operator's frequent calls all come here: the generated methods validate every argument
+        with pydantic and build typed models of the answer, several times the cost of the call."""
         api = self.core.api_client
+        if query:
+            path = f"{path}?{urlencode(query)}"
         method, url, headers, body, _ = api.param_serialize(
-            method, path, header_params={"Content-Type": "application/json", "Accept": "application/json"},
+            method, path, header_params={"Content-Type": content_type, "Accept": "application/json"},
             body=body, auth_settings=["BearerToken"])
         resp = api.call_api(method, url, headers, body, _request_timeout=TIMEOUT)
         data = resp.read()
@@ -135,14 +163,47 @@ class Kube:
             raise ApiException(status=resp.status, reason=f"{resp.reason}: {data[:500].decode(errors='replace')}")
         return json.loads(data) if data else {}
 
+    def pods_version(self, namespace: str | None, selector: str) -> str:
+        """The resourceVersion the API server is at now, to watch pods from."""
+        query = {"labelSelector": selector, "limit": 1}
+        return self._raw("GET", _pods_path(namespace), query=query)["metadata"]["resourceVersion"]
+
+    def watch_pods(self, namespace: str | None, selector: str, version: str, seconds: int) -> Iterator[dict]:
+        """Pod events ({"type", "object"} as the API sends them, BOOKMARKs included) after
+        `version`, until the API server ends the watch after `seconds`. An ERROR event (410
+        when `version` is too old) is raised as ApiException."""
+        api = self.core.api_client
+        query = {"watch": "true", "labelSelector": selector, "resourceVersion": version, "allowWatchBookmarks": "true",
+                 "timeoutSeconds": seconds}
+        method, url, headers, _, _ = api.param_serialize(
+            "GET", f"{_pods_path(namespace)}?{urlencode(query)}", header_params={"Accept": "application/json"},
+            auth_settings=["BearerToken"])
+        resp = api.call_api(method, url, headers, _request_timeout=(TIMEOUT[0], seconds + TIMEOUT[1])).response
+        try:
+            if not 200 <= resp.status < 300:
+                raise ApiException(status=resp.status, reason=f"{resp.reason}: {resp.data[:500].decode(errors='replace')}")
+            tail = b""
+            for chunk in resp.stream(amt=None, decode_content=False):
+                *lines, tail = (tail + chunk).split(b"\n")
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        status = event.get("object") or {}
+                        raise ApiException(status=status.get("code"), reason=status.get("message"))
+                    yield event
+        finally:
+            resp.release_conn()
+
     def patch_pod(self, namespace: str, name: str, patch: dict) -> bool:
         """A JSON merge patch (lists replaced whole: a pod's finalizers); False when the pod is gone."""
-        return _unless_gone(self.core.patch_namespaced_pod, name, namespace, patch,
-                            _content_type="application/merge-patch+json")
+        return _unless_gone(self._raw, "PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", patch, MERGE_PATCH)
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         """False when the pod was already gone."""
-        return _unless_gone(self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=grace_seconds)
+        query = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
+        return _unless_gone(self._raw, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", query=query)
 
     def delete_children(self, namespace: str, job: str, job_uid: str, map_=map) -> int:
         """Delete the pods and the Service of a job being deleted (only those it owns)."""

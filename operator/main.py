@@ -66,11 +66,11 @@ def run(args: argparse.Namespace) -> int:
     priority = args.priority if args.priority is not None else random.SystemRandom().randint(1, 2**31 - 1)
 
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, config.progress_seconds)
+    handlers.register(registry)
     shared = handlers.Shared(
         controller=Controller(kube, config, metrics), config=config, metrics=metrics,
         executor=ThreadPoolExecutor(max_workers=config.reconcile_workers, thread_name_prefix="tfps-reconcile"),
-        peering=handlers.Peering(args.peering, priority, args.peering_lifetime, standalone))
+        peering=handlers.Peering(args.peering, priority, args.peering_lifetime, standalone), namespaces=namespaces)
     log.info("tfps operator %s (pid %d, priority %d) serving %s", "standalone" if standalone else f"peering {args.peering!r}",
              os.getpid(), priority, ", ".join(namespaces) or "all namespaces")
     kopf.run(

@@ -125,6 +125,13 @@ class PodCache:
                 return None
             return list(pods.values())
 
+    def clear(self) -> None:
+        """Every job's pods, after events may have been missed: the next passes list them."""
+        with self._lock:
+            self._jobs.clear()
+            self._gone.clear()
+            self._listed.clear()
+
     def drop(self, key: Key) -> None:
         """The job is gone."""
         with self._lock:

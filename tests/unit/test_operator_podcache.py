@@ -115,3 +115,71 @@ def test_the_pod_watch_selects_every_pod_the_operator_makes_and_only_those():
     other = dict(pods[0]["metadata"]["labels"])
     del other["tfps.io/job-name"]
     assert not selects(other) and not selects({"app": "web"})
+
+
+def test_pod_events_fill_the_cache_and_wake_the_job_only_on_a_change_that_matters():
+    from types import SimpleNamespace
+
+    from tfps.operator.handlers import pod_changed
+
+    cache = PodCache()
+    cache.replace(JOB, [], "5")
+    shared = SimpleNamespace(controller=SimpleNamespace(pods=cache), pod_state={})
+    created = _pod(rv=6, phase="Pending")
+    created["status"] = {"phase": "Pending"}
+    assert pod_changed(shared, "ADDED", created) is None  # the pass that created it knows
+    assert _names(cache) == [("j-worker-0", "6")]
+    running = _pod(rv=7)
+    assert pod_changed(shared, "MODIFIED", running) == JOB
+    assert pod_changed(shared, "MODIFIED", _pod(rv=8)) is None  # nothing a decision reads changed
+    assert pod_changed(shared, "DELETED", _pod(rv=9)) == JOB
+    assert cache.pods(JOB) == [] and shared.pod_state == {}
+
+
+class _FakeKube:
+    """A scripted API for the watch loop's resume and restart logic only (the real watch runs
+    against the real API server in every operator integration test)."""
+
+    def __init__(self, streams):
+        self.streams, self.watched, self.versions = list(streams), [], 0
+
+    def pods_version(self, namespace, selector):
+        self.versions += 1
+        return f"v{self.versions}"
+
+    def watch_pods(self, namespace, selector, version, seconds):
+        self.watched.append(version)
+        result = self.streams.pop(0) if self.streams else None
+        if result is None:
+            self.watch.stop()
+            return
+        if isinstance(result, Exception):
+            raise result
+        yield from result
+
+
+def _event(type_, rv):
+    return {"type": type_, "object": {"metadata": {"resourceVersion": rv, "name": f"p{rv}"}}}
+
+
+def test_the_pod_watch_resumes_where_it_stopped_and_starts_again_after_a_gap(monkeypatch):
+    from kubernetes.client.rest import ApiException
+
+    from tfps.operator import podwatch
+
+    monkeypatch.setattr(podwatch, "RETRY_SECONDS", 0.0)
+    kube = _FakeKube([
+        [_event("ADDED", "11"), _event("BOOKMARK", "15")],  # the API server ends the watch: resume at 15
+        [_event("MODIFIED", "16")],
+        ConnectionResetError("gone"),                        # resume at 16
+        ApiException(status=410, reason="too old"),          # a gap: start again from now
+        [_event("DELETED", "30")],
+    ])
+    events, gaps = [], []
+    watch = podwatch.PodWatch(kube, ["ns"], "a=b", 300, lambda t, p: events.append((t, p["metadata"]["resourceVersion"])),
+                              lambda: gaps.append(len(events)))
+    kube.watch = watch
+    watch._run("ns")
+    assert kube.watched == ["v1", "15", "16", "16", "v2", "30"]
+    assert events == [("ADDED", "11"), ("MODIFIED", "16"), ("DELETED", "30")]
+    assert gaps == [0, 2]

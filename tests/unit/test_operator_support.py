@@ -60,3 +60,39 @@ def test_config_rejects_a_mistyped_key(tmp_path):
     path.write_text("imagez: {}\n")
     with pytest.raises(ValidationError, match="imagez"):
         OperatorConfig.load(path)
+
+
+def test_credentials_are_refreshed_at_most_once_per_period():
+    """The operator's API client re-reads its token every few seconds, not before every call."""
+    from tfps.operator.kube import throttled
+
+    now, calls = [0.0], []
+    refresh = throttled(calls.append, 5.0, clock=lambda: now[0])
+    for t in (0.0, 1.0, 4.9, 5.0, 6.0, 11.0):
+        now[0] = t
+        refresh(t)
+    assert calls == [0.0, 5.0, 11.0]
+
+
+def test_api_client_keeps_refreshing_credentials_throttled(tmp_path, monkeypatch):
+    """With a kubeconfig token, the client still refreshes (a rotated token is picked up), but throttled."""
+    from tfps.operator import kube
+
+    config = tmp_path / "kubeconfig"
+    config.write_text("""
+apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: first}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+""")
+    monkeypatch.setattr(kube.kube_config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(config))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    default = kube.client.Configuration.get_default_copy()
+    try:
+        api = kube.api_client()
+    finally:
+        kube.client.Configuration.set_default(default)
+    assert api.configuration.refresh_api_key_hook.__name__ == "refresh"
+    assert api.configuration.auth_settings()["BearerToken"]["value"] == "Bearer first"
