@@ -207,22 +207,29 @@ async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, 
     # status.progress, from the PS pods' metrics, every progressSeconds while the job trains
     # (here rather than in a kopf timer: no second task per job, and a plain status patch).
     progress = _Progress(shared.config.progress_seconds)
-    progress.due = asyncio.get_running_loop().time() + progress.every
+    clock = asyncio.get_running_loop().time
+    progress.due = clock() + progress.every
+    next_pass, phase = 0.0, None
     try:
         while not stopped:
-            wake.clear()
-            first, new = new, None
-            # Later passes start from what the watches brought: `body` is kopf's live view of the
-            # job (a shallow copy: the next event replaces it whole), the pods are cached.
-            delay, phase = await _reconcile_once(shared, key, meta, first, dict(body), logger)
-            if delay is None:
-                return
-            if phase in PROGRESS_PHASES:
-                if progress.seconds_left() == 0:
-                    await progress.update(shared, key, logger)
-                delay = min(delay, progress.seconds_left())
-            if await _sleep(wake, stopped, delay):
+            if clock() >= next_pass:
+                wake.clear()
+                first, new = new, None
+                # Later passes start from what the watches brought: `body` is kopf's live view of
+                # the job (a shallow copy: the next event replaces it whole), the pods are cached.
+                delay, phase = await _reconcile_once(shared, key, meta, first, dict(body), logger)
+                if delay is None:
+                    return
+                next_pass = clock() + delay
+            training = phase in PROGRESS_PHASES
+            if training and progress.seconds_left() == 0:
+                await progress.update(shared, key, logger)
+            until = next_pass - clock()
+            if training:  # a wake-up for the progress alone does not run a pass
+                until = min(until, progress.seconds_left())
+            if await _sleep(wake, stopped, max(0.0, until)):
                 await _sleep(asyncio.Event(), stopped, COALESCE_SECONDS)
+                next_pass = 0.0
     finally:
         if shared.wake.get(key) is wake:
             del shared.wake[key]
