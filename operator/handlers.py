@@ -184,6 +184,9 @@ class _Progress:
     due: float = 0.0
     sample: Any = None
 
+    def __post_init__(self) -> None:  # the first read one period after the loop starts
+        self.due = asyncio.get_running_loop().time() + self.every
+
     async def update(self, shared: Shared, key: tuple[str, str], logger: logging.Logger) -> None:
         loop = asyncio.get_running_loop()
         self.due = loop.time() + self.every
@@ -208,7 +211,6 @@ async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, 
     # (here rather than in a kopf timer: no second task per job, and a plain status patch).
     progress = _Progress(shared.config.progress_seconds)
     clock = asyncio.get_running_loop().time
-    progress.due = clock() + progress.every
     next_pass, phase = 0.0, None
     try:
         while not stopped:
@@ -235,8 +237,8 @@ async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, 
             del shared.wake[key]
 
 
-# The event handlers are coroutines: they only look at the event and set an asyncio.Event,
-# which must happen on the loop (a sync handler would run in a thread, once per pod event).
+# The event handler is a coroutine: it only looks at the event and sets an asyncio.Event,
+# which must happen on the loop (a sync handler would run in a thread, once per job event).
 async def job_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     # Spec changes (scale, suspend) bump the generation; our own status writes do not.
     shared: Shared = memo.shared

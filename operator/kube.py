@@ -151,17 +151,22 @@ class Kube:
         """One request with the client's connection and credentials; the answer's JSON. The
         operator's frequent calls all come here: the generated methods validate every argument
         with pydantic and build typed models of the answer, several times the cost of the call."""
+        data = self._request(method, path, body, content_type, query).read()
+        return json.loads(data) if data else {}
+
+    def _request(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json",
+                 query: dict[str, Any] | None = None, timeout: tuple[float, float] = TIMEOUT):
+        """The client's response (its body not yet read) to one request; ApiException unless 2xx."""
         api = self.core.api_client
         if query:
             path = f"{path}?{urlencode(query)}"
         method, url, headers, body, _ = api.param_serialize(
             method, path, header_params={"Content-Type": content_type, "Accept": "application/json"},
             body=body, auth_settings=["BearerToken"])
-        resp = api.call_api(method, url, headers, body, _request_timeout=TIMEOUT)
-        data = resp.read()
+        resp = api.call_api(method, url, headers, body, _request_timeout=timeout)
         if not 200 <= resp.status < 300:
-            raise ApiException(status=resp.status, reason=f"{resp.reason}: {data[:500].decode(errors='replace')}")
-        return json.loads(data) if data else {}
+            raise ApiException(status=resp.status, reason=f"{resp.reason}: {resp.read()[:500].decode(errors='replace')}")
+        return resp
 
     def pods_version(self, namespace: str | None, selector: str) -> str:
         """The resourceVersion the API server is at now, to watch pods from."""
@@ -172,16 +177,10 @@ class Kube:
         """Pod events ({"type", "object"} as the API sends them, BOOKMARKs included) after
         `version`, until the API server ends the watch after `seconds`. An ERROR event (410
         when `version` is too old) is raised as ApiException."""
-        api = self.core.api_client
         query = {"watch": "true", "labelSelector": selector, "resourceVersion": version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": seconds}
-        method, url, headers, _, _ = api.param_serialize(
-            "GET", f"{_pods_path(namespace)}?{urlencode(query)}", header_params={"Accept": "application/json"},
-            auth_settings=["BearerToken"])
-        resp = api.call_api(method, url, headers, _request_timeout=(TIMEOUT[0], seconds + TIMEOUT[1])).response
+        resp = self._request("GET", _pods_path(namespace), query=query, timeout=(TIMEOUT[0], seconds + TIMEOUT[1])).response
         try:
-            if not 200 <= resp.status < 300:
-                raise ApiException(status=resp.status, reason=f"{resp.reason}: {resp.data[:500].decode(errors='replace')}")
             tail = b""
             for chunk in resp.stream(amt=None, decode_content=False):
                 *lines, tail = (tail + chunk).split(b"\n")
