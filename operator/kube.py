@@ -30,16 +30,22 @@ CREDENTIALS_REFRESH_SECONDS = 5.0
 
 
 def throttled(hook: Callable[[Any], None], seconds: float, clock: Callable[[], float] = time.monotonic) -> Callable[[Any], None]:
-    """`hook`, run at most once every `seconds`; the calls in between do nothing."""
+    """`hook`, run at most once every `seconds`; the calls in between do nothing. The loaders'
+    hook installs itself on the configuration again each time it runs: the one it installs is
+    called from then on, and this one stays in front of it."""
     lock, last = threading.Lock(), [-math.inf]
 
     def refresh(configuration: Any) -> None:
+        nonlocal hook
         with lock:
             now = clock()
             if now - last[0] < seconds:
                 return
             last[0] = now
         hook(configuration)
+        installed = getattr(configuration, "refresh_api_key_hook", None)
+        if installed is not None and installed is not refresh:
+            hook, configuration.refresh_api_key_hook = installed, refresh
     return refresh
 
 

@@ -74,8 +74,9 @@ def test_credentials_are_refreshed_at_most_once_per_period():
     assert calls == [0.0, 5.0, 11.0]
 
 
-def test_api_client_keeps_refreshing_credentials_throttled(tmp_path, monkeypatch):
-    """With a kubeconfig token, the client still refreshes (a rotated token is picked up), but throttled."""
+def test_api_client_refreshes_credentials_through_its_loader_only_once_per_period(tmp_path, monkeypatch):
+    """With a kubeconfig token, requests still go through the loader's refresh (a token with an
+    expiry is re-read), but 50 requests in a row rewrite the configuration once, not 50 times."""
     from tfps.operator import kube
 
     config = tmp_path / "kubeconfig"
@@ -87,6 +88,9 @@ users: [{name: u, user: {token: first}}]
 contexts: [{name: x, context: {cluster: c, user: u}}]
 current-context: x
 """)
+    loader = kube.kube_config.kube_config.KubeConfigLoader
+    rewrites, set_config = [], loader._set_config
+    monkeypatch.setattr(loader, "_set_config", lambda self, conf: (rewrites.append(1), set_config(self, conf)))
     monkeypatch.setattr(kube.kube_config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(config))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     default = kube.client.Configuration.get_default_copy()
@@ -94,5 +98,7 @@ current-context: x
         api = kube.api_client()
     finally:
         kube.client.Configuration.set_default(default)
-    assert api.configuration.refresh_api_key_hook.__name__ == "refresh"
-    assert api.configuration.auth_settings()["BearerToken"]["value"] == "Bearer first"
+    rewrites.clear()
+    tokens = {api.configuration.auth_settings()["BearerToken"]["value"] for _ in range(50)}
+    assert tokens == {"Bearer first"}
+    assert len(rewrites) == 1
