@@ -74,7 +74,8 @@ def _gpu_requested(resources: dict[str, Any]) -> bool:
 
 
 def _container(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig, user: dict) -> dict:
-    c = copy.deepcopy(user)
+    """The operator's container, from the user's (a copy of the template's, changed in place)."""
+    c = user
     c["name"] = naming.CONTAINER_NAME
     c.setdefault("image", config.images.for_type(rtype))
     c.setdefault("imagePullPolicy", config.images.pull_policy)

@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Callable
 
 from tfps.api import naming
 from tfps.api.spec import ReplicaType, TrainingJob
@@ -20,19 +21,46 @@ from .kube import Kube
 from .metrics import OperatorMetrics
 from .podcache import PodCache, version
 from .reconcile import Plan, plan
-from .status import merge_patch, timestamp
+from .status import counts_only, merge_patch, timestamp
 
 log = logging.getLogger(__name__)
 
 # A job's pods are listed again at least this often, whatever the pod watch brought (kopf
 # re-establishes its watches as often: settings.watching.server_timeout).
 RELIST_SECONDS = 300.0
+# A change of the pod counts alone is written this long after it is first seen, together with
+# whatever changed meanwhile: pods of a job start and finish in bursts, and each status write is
+# an API call and a watch event for every client of the job. Phase, conditions and restarts are
+# written at once.
+COUNTS_DELAY_SECONDS = 1.0
 
 
 def _own_status(body: dict) -> dict:
     """The watch's job with a status of its own: a pass changes only the status it plans from,
     and metadata (managedFields) and spec are most of a job's bytes, so they are not copied."""
     return {**body, "status": copy.deepcopy(body.get("status"))} if "status" in body else dict(body)
+
+
+class CountsDelay:
+    """When a status patch that changes only pod counts is written (COUNTS_DELAY_SECONDS)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic):
+        self.seconds, self.clock = seconds, clock
+        self._seen: dict[tuple[str, str], float] = {}  # when a count change not yet written was first seen
+
+    def wait(self, job: tuple[str, str], patch: dict) -> float:
+        """Seconds before this patch is written; 0: now (or nothing to write)."""
+        if not counts_only(patch):
+            self._seen.pop(job, None)
+            return 0.0
+        now = self.clock()
+        left = self._seen.setdefault(job, now) + self.seconds - now
+        if left <= 0:
+            self._seen.pop(job, None)
+        return max(left, 0.0)
+
+    def forget(self, job: tuple[str, str]) -> None:
+        self._seen.pop(job, None)
 
 
 @dataclass
@@ -50,6 +78,7 @@ class Controller:
         self._calls = PriorityPool(config.reconcile_workers, "tfps-api")
         self.pods = PodCache()
         self._written: dict[tuple[str, str], dict] = {}  # each job as our last status write returned it
+        self._counts = CountsDelay(COUNTS_DELAY_SECONDS)
 
     def _newest(self, job: tuple[str, str], live: dict) -> dict:
         """The watch's view of the job, unless our own last status write is newer than it."""
@@ -60,6 +89,7 @@ class Controller:
         """The job is gone: nothing kept about it."""
         self.pods.drop((namespace, name))
         self._written.pop((namespace, name), None)
+        self._counts.forget((namespace, name))
 
     def reconcile(self, namespace: str, name: str, created: str | None = None, new_body: dict | None = None,
                   live_body: dict | None = None) -> Outcome | None:
@@ -86,7 +116,10 @@ class Controller:
                     result.requeue(0)
         old = {k: v for k, v in (body.get("status") or {}).items() if k != "progress"}
         patch = merge_patch(old, result.status)
-        if patch:  # before the deletions, so a restart is counted even if we die right after
+        wait = self._counts.wait(job, patch)
+        if wait:  # the pass that writes it
+            result.requeue(wait)
+        elif patch:  # before the deletions, so a restart is counted even if we die right after
             self._written[job] = self._calls.submit(key, self.kube.patch_job_status, namespace, name, patch).result()
         if kueue.enabled(self.config):  # Kueue's pod group first (operator/kueue.py)
             self._release_kueue_group(key, namespace, pods, body, result)

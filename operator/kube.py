@@ -13,6 +13,8 @@ import time
 from typing import Any, Callable, Iterator
 from urllib.parse import urlencode
 
+import urllib3
+
 from kubernetes import client, config as kube_config
 from kubernetes.client.rest import ApiException
 
@@ -95,7 +97,6 @@ class Kube:
     def __init__(self, api: client.ApiClient):
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
-        self.networking = client.NetworkingV1Api(api)
 
     def get_job(self, namespace: str, name: str) -> dict | None:
         try:
@@ -110,12 +111,7 @@ class Kube:
         return self._raw("PATCH", _job_path(namespace, name) + "/status", {"status": patch}, MERGE_PATCH)
 
     def delete_job(self, namespace: str, name: str) -> None:
-        try:
-            self.custom.delete_namespaced_custom_object(
-                API_GROUP, API_VERSION, namespace, PLURAL, name, propagation_policy="Foreground", _request_timeout=TIMEOUT)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+        _unless_gone(self._raw, "DELETE", _job_path(namespace, name), query={"propagationPolicy": "Foreground"})
 
     def list_pods(self, namespace: str, job: str, rtype: ReplicaType | None = None) -> list[dict]:
         """The job's pods (of one replica type only, when given: less to read and decode)."""
@@ -161,15 +157,21 @@ class Kube:
         return json.loads(data) if data else {}
 
     def _request(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json",
-                 query: dict[str, Any] | None = None, timeout: tuple[float, float] = TIMEOUT):
-        """The client's response (its body not yet read) to one request; ApiException unless 2xx."""
+                 query: dict[str, Any] | None = None, timeout: tuple[float, float] = TIMEOUT) -> urllib3.BaseHTTPResponse:
+        """urllib3's response (its body not yet read) to one request, on the client's connection
+        pool and with its credentials; ApiException unless 2xx. The body goes out as the JSON it
+        is: the client's own request path first walks every object to sanitise it, which for a
+        pod costs more than encoding it."""
         api = self.core.api_client
         if query:
             path = f"{path}?{urlencode(query)}"
-        method, url, headers, body, _ = api.param_serialize(
+        method, url, headers, _, _ = api.param_serialize(
             method, path, header_params={"Content-Type": content_type, "Accept": "application/json"},
-            body=body, auth_settings=["BearerToken"])
-        resp = api.call_api(method, url, headers, body, _request_timeout=timeout)
+            auth_settings=["BearerToken"])
+        data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        resp = api.rest_client.pool_manager.request(
+            method, url, body=data, headers=headers, timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
+            preload_content=False)
         if not 200 <= resp.status < 300:
             raise ApiException(status=resp.status, reason=f"{resp.reason}: {resp.read()[:500].decode(errors='replace')}")
         return resp
@@ -185,7 +187,7 @@ class Kube:
         when `version` is too old) is raised as ApiException."""
         query = {"watch": "true", "labelSelector": selector, "resourceVersion": version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": seconds}
-        resp = self._request("GET", _pods_path(namespace), query=query, timeout=(TIMEOUT[0], seconds + TIMEOUT[1])).response
+        resp = self._request("GET", _pods_path(namespace), query=query, timeout=(TIMEOUT[0], seconds + TIMEOUT[1]))
         try:
             tail = b""
             for chunk in resp.stream(amt=None, decode_content=False):
@@ -215,34 +217,25 @@ class Kube:
         names = [pod["metadata"]["name"] for pod in self.list_pods(namespace, job)
                  if any(o.get("uid") == job_uid for o in pod["metadata"].get("ownerReferences") or [])]
         deleted = sum(map_(lambda n: self.delete_pod(namespace, n), names))
-        self._delete_if_owned(self.core.read_namespaced_service, self.core.delete_namespaced_service,
-                              naming.service_name(job), namespace, job_uid)
-        self._delete_security_objects(namespace, job, job_uid)
+        self._delete_if_owned(f"/api/v1/namespaces/{namespace}/services/{naming.service_name(job)}", job_uid)
+        # The NetworkPolicy (if the job owns it) and the Secret go before the job does, so a new
+        # job of the same name never finds the old ones. The operator may create and delete
+        # Secrets but never read one, so the Secret goes by its name (the operator's own).
+        self._delete_if_owned(f"/apis/networking.k8s.io/v1/namespaces/{namespace}/{PLURALS['NetworkPolicy']}/"
+                              f"{naming.network_policy_name(job)}", job_uid)
+        _unless_gone(self._raw, "DELETE", f"/api/v1/namespaces/{namespace}/secrets/{naming.auth_secret_name(job)}")
         return deleted
 
-    @staticmethod
-    def _delete_if_owned(read, delete, name: str, namespace: str, job_uid: str) -> None:
+    def _delete_if_owned(self, path: str, job_uid: str) -> None:
         """Delete one object only when the job owns it; already gone is fine."""
         try:
-            obj = read(name, namespace, _request_timeout=TIMEOUT)
-            if any(o.uid == job_uid for o in (obj.metadata.owner_references or [])):
-                delete(name, namespace, _request_timeout=TIMEOUT)
+            owners = self._raw("GET", path)["metadata"].get("ownerReferences") or []
         except ApiException as err:
-            if err.status != 404:
-                raise
-
-    def _delete_security_objects(self, namespace: str, job: str, job_uid: str) -> None:
-        """The job's NetworkPolicy (if it owns it) and Secret go before the job does, so a new
-        job of the same name never finds the old ones. The operator may create and delete
-        Secrets but never read one, so the Secret goes by its name (the operator's own)."""
-        self._delete_if_owned(self.networking.read_namespaced_network_policy,
-                              self.networking.delete_namespaced_network_policy,
-                              naming.network_policy_name(job), namespace, job_uid)
-        try:
-            self.core.delete_namespaced_secret(naming.auth_secret_name(job), namespace, _request_timeout=TIMEOUT)
-        except ApiException as err:
-            if err.status != 404:
-                raise
+            if err.status == 404:
+                return
+            raise
+        if any(o.get("uid") == job_uid for o in owners):
+            _unless_gone(self._raw, "DELETE", path)
 
     def ensure_peering(self, name: str, namespace: str | None) -> bool:
         """Create kopf's peering object if missing (without it replicas cannot see each

@@ -169,6 +169,16 @@ def set_condition(conditions: list[dict], ctype: str, true: bool, reason: str, m
     return [new if c.get("type") == ctype else c for c in conditions] if old else [*conditions, new]
 
 
+# The status fields that only count pods (they change as pods start one after another and
+# workers finish); the controller writes a change of these alone with a short delay.
+COUNT_FIELDS = frozenset({"replicaStatuses", "psReady", "workersReady"})
+
+
+def counts_only(patch: dict[str, Any]) -> bool:
+    """Whether a status patch changes nothing but the pod counts."""
+    return bool(patch) and patch.keys() <= COUNT_FIELDS
+
+
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """The JSON merge patch (RFC 7386) that turns `old` into `new`; {} when equal."""
     patch: dict[str, Any] = {}

@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from tfps.operator import progress
 from tfps.operator.config import OperatorConfig
 from tfps.operator.metrics import OperatorMetrics
-from tfps.operator.status import merge_patch
+from tfps.operator.controller import CountsDelay
+from tfps.operator.status import counts_only, merge_patch
 from tfps.runtime.metrics import Identity, PSMetrics
 
 from support import sample
@@ -42,6 +43,24 @@ def test_merge_patch_removes_and_nests():
     new = {"a": 1, "b": {"x": 1}, "c": [1, 2], "d": "new"}
     assert merge_patch(old, new) == {"b": {"y": None}, "c": [1, 2], "d": "new"}
     assert merge_patch(new, new) == {}
+
+
+def test_a_change_of_pod_counts_alone_waits_and_goes_out_with_the_next_change():
+    now = [100.0]
+    delay = CountsDelay(1.0, clock=lambda: now[0])
+    job = ("ns", "j")
+    counts = {"psReady": "1/2", "replicaStatuses": {"PS": {"active": 1}}}
+    assert counts_only(counts) and not counts_only({}) and not counts_only({**counts, "phase": "Running"})
+    assert delay.wait(job, counts) == 1.0  # first seen: held for the whole delay
+    now[0] += 0.4
+    assert delay.wait(job, {"psReady": "2/2"}) == pytest.approx(0.6)  # still counted from the first
+    now[0] += 0.6
+    assert delay.wait(job, {"psReady": "2/2"}) == 0.0  # due: written
+    assert delay.wait(job, counts) == 1.0  # a new change waits again
+    assert delay.wait(job, {**counts, "phase": "Running"}) == 0.0  # with a phase change: at once
+    assert delay.wait(job, counts) == 1.0  # and the wait starts over after that write
+    delay.forget(job)
+    assert delay.wait(("ns", "other"), {}) == 0.0
 
 
 def test_operator_metrics_count_jobs_by_phase():
