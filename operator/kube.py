@@ -85,6 +85,13 @@ def _unless_gone(call, *args, **kwargs) -> bool:
         raise
 
 
+def _path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
+    """The API path of a namespaced kind's collection, or of one object in it."""
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{PLURALS.get(kind, kind.lower() + 's')}"
+    return f"{path}/{name}" if name else path
+
+
 def _pods_path(namespace: str | None) -> str:
     return f"/api/v1/namespaces/{namespace}/pods" if namespace else "/api/v1/pods"
 
@@ -128,11 +135,8 @@ class Kube:
         object as stored, or None when it already exists (creating twice is harmless). Sent as
         the JSON it is: the client's typed models would refuse fields of another Kubernetes
         version (a 1.35 pod's workloadRef)."""
-        api_version, kind = body["apiVersion"], body["kind"]
-        prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-        plural = PLURALS.get(kind, kind.lower() + "s")
         try:
-            return self._raw("POST", f"{prefix}/namespaces/{body['metadata']['namespace']}/{plural}", body)
+            return self._raw("POST", _path(body["apiVersion"], body["kind"], body["metadata"]["namespace"]), body)
         except ApiException as err:
             if err.status == 409:
                 return None
@@ -205,25 +209,24 @@ class Kube:
 
     def patch_pod(self, namespace: str, name: str, patch: dict) -> bool:
         """A JSON merge patch (lists replaced whole: a pod's finalizers); False when the pod is gone."""
-        return _unless_gone(self._raw, "PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}", patch, MERGE_PATCH)
+        return _unless_gone(self._raw, "PATCH", _path("v1", "Pod", namespace, name), patch, MERGE_PATCH)
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         """False when the pod was already gone."""
         query = {"gracePeriodSeconds": grace_seconds} if grace_seconds is not None else None
-        return _unless_gone(self._raw, "DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", query=query)
+        return _unless_gone(self._raw, "DELETE", _path("v1", "Pod", namespace, name), query=query)
 
     def delete_children(self, namespace: str, job: str, job_uid: str, map_=map) -> int:
         """Delete the pods and the Service of a job being deleted (only those it owns)."""
         names = [pod["metadata"]["name"] for pod in self.list_pods(namespace, job)
                  if any(o.get("uid") == job_uid for o in pod["metadata"].get("ownerReferences") or [])]
         deleted = sum(map_(lambda n: self.delete_pod(namespace, n), names))
-        self._delete_if_owned(f"/api/v1/namespaces/{namespace}/services/{naming.service_name(job)}", job_uid)
+        self._delete_if_owned(_path("v1", "Service", namespace, naming.service_name(job)), job_uid)
         # The NetworkPolicy (if the job owns it) and the Secret go before the job does, so a new
         # job of the same name never finds the old ones. The operator may create and delete
         # Secrets but never read one, so the Secret goes by its name (the operator's own).
-        self._delete_if_owned(f"/apis/networking.k8s.io/v1/namespaces/{namespace}/{PLURALS['NetworkPolicy']}/"
-                              f"{naming.network_policy_name(job)}", job_uid)
-        _unless_gone(self._raw, "DELETE", f"/api/v1/namespaces/{namespace}/secrets/{naming.auth_secret_name(job)}")
+        self._delete_if_owned(_path("networking.k8s.io/v1", "NetworkPolicy", namespace, naming.network_policy_name(job)), job_uid)
+        _unless_gone(self._raw, "DELETE", _path("v1", "Secret", namespace, naming.auth_secret_name(job)))
         return deleted
 
     def _delete_if_owned(self, path: str, job_uid: str) -> None:
