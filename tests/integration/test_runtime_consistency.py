@@ -71,7 +71,9 @@ def test_bfloat16_wire_tracks_float32_training():
 
 @pytest.mark.parametrize("mode", ["async", "bounded"])
 def test_async_modes_converge_on_digits(mode):
-    training = _training(steps=600, batchSize=32, optimizer={"name": "adam", "learningRate": 0.003},
+    """1200 steps, not 600: at 600 the final accuracy spread over 0.89-0.97 from one interleaving
+    of the two workers to the next; at 1200 it sat at 0.95-0.98 in 20 runs."""
+    training = _training(steps=1200, batchSize=32, optimizer={"name": "adam", "learningRate": 0.003},
                          consistency={"mode": mode, "staleness": 2})
     with InProcessCluster(training, num_ps=2, num_workers=2) as cluster:
         workers, result = cluster.train()
