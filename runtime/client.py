@@ -56,17 +56,25 @@ class ShardClient:
     def _retry(self, what: str, fn):
         """`fn()`, retried with jittered exponential backoff (0.1 s doubling up to 2 s) while
         the PS is unavailable, for up to retry_seconds."""
+        try:  # the first try outside tenacity: its bookkeeping costs ~30 µs a call, twice a step
+            return fn()
+        except grpc.RpcError as err:
+            if not _retryable(err):
+                raise
+            self._note_retry(what, err, 0.0)
+
         def before_sleep(state: tenacity.RetryCallState) -> None:
-            if self.on_retry:
-                self.on_retry()
-            code = state.outcome.exception().code()
-            log.info(json.dumps({"event": "retry", "ps": self.index, "call": what, "code": code.name,
-                                 "delay": round(state.upcoming_sleep, 2)}))
+            self._note_retry(what, state.outcome.exception(), state.upcoming_sleep)
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(_retryable), stop=tenacity.stop_after_delay(self.retry_seconds),
             wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0), before_sleep=before_sleep, reraise=True)
         return retrying(fn)
+
+    def _note_retry(self, what: str, err: grpc.RpcError, delay: float) -> None:
+        if self.on_retry:
+            self.on_retry()
+        log.info(json.dumps({"event": "retry", "ps": self.index, "call": what, "code": err.code().name, "delay": round(delay, 2)}))
 
     def step(self, meta: dict, tensors: dict, large: bool) -> wire.Message:
         """One Step call (push and/or pull). Over gRPC, `large` sends it as a chunked stream."""

@@ -3,6 +3,7 @@ the PS offers one, and over gRPC when it does not or when told not to; the port 
 the job's token; frames it cannot read are refused, counted, and change nothing.
 Real PS servers and workers in one process, real sockets on 127.0.0.1."""
 import socket
+import time
 
 import grpc
 import numpy as np
@@ -161,3 +162,30 @@ def test_the_data_port_admits_only_the_jobs_token():
     finally:
         server.stop(None)
         shard.close()
+
+
+def test_a_frame_that_comes_in_pieces_is_read_whole_and_a_silent_connection_is_closed(cluster, monkeypatch):
+    """The PS reads a frame's body with one blocking MSG_WAITALL receive under the kernel's own
+    timeout (datapath.set_timeout): a push that arrives in pauses is still applied once, and a
+    connection that then stays silent past the idle limit is closed by the PS."""
+    from tfps.runtime import datapath
+
+    monkeypatch.setattr(datapath, "IDLE_SECONDS", 1.0)
+    shard = cluster.shards[0]
+    before, version = cluster.parameters(), shard.version
+    grads = {name: np.full_like(value, 0.5) for name, value in before.items()}
+    message = wire.encode({"worker": 0, "tag": version, "pull": False, "batch": 1, "seq": 10_000}, grads)
+    with _hello(cluster.servers[0].data_port) as sock:
+        frame = FRAME.pack(len(message)) + message
+        for start in range(0, len(frame), len(frame) // 4 + 1):
+            sock.sendall(frame[start:start + len(frame) // 4 + 1])
+            time.sleep(0.1)
+        size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
+        reply = wire.decode(sock.recv(size, socket.MSG_WAITALL))
+        assert "error" not in reply.meta and reply.meta["version"] == version + 1
+        started = time.monotonic()
+        assert _closed_by_peer(sock)
+        assert 0.5 < time.monotonic() - started < 5.0
+    after = cluster.parameters()
+    for name, value in after.items():
+        np.testing.assert_allclose(value, before[name] - 0.1 * 0.5, rtol=1e-5, atol=1e-6, err_msg=name)
