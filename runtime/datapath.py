@@ -68,9 +68,8 @@ def wanted(env: dict[str, str] | None = None) -> bool:
 
 def send_frame(sock: socket.socket, pieces: list) -> None:
     """Send `pieces` (bytes and memoryviews, one wire message) as one frame without joining them."""
-    views = [memoryview(p).cast("B") for p in pieces]
-    size = sum(len(v) for v in views)
-    views.insert(0, memoryview(FRAME.pack(size)))
+    views = [p if type(p) is bytes else memoryview(p).cast("B") for p in pieces]
+    views.insert(0, FRAME.pack(sum(map(len, views))))
     if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
         for v in views:
             sock.sendall(v)
@@ -83,7 +82,7 @@ def send_frame(sock: socket.socket, pieces: list) -> None:
                 sent -= len(views[i])
                 i += 1
             else:
-                views[i], sent = views[i][sent:], 0
+                views[i], sent = memoryview(views[i])[sent:], 0
         while i < len(views) and not len(views[i]):
             i += 1
 
@@ -305,7 +304,14 @@ class DataConnection:
 
     def call(self, pieces: list) -> wire.Message:
         """Send one message (its pieces) and return the reply; DataPathError when refused."""
+        self.send(pieces)
+        return self.receive()
+
+    def send(self, pieces: list) -> None:
         send_frame(self.sock, pieces)
+
+    def receive(self) -> wire.Message:
+        """The reply to the message sent last; DataPathError when it was refused."""
         size = recv_length(self.sock)
         if size is None:
             raise ConnectionError("the PS closed the connection")

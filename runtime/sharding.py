@@ -9,6 +9,7 @@ parameter shapes and the number of PS, so nothing needs to be agreed over the wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -40,7 +41,15 @@ class Placement:
         return [p for p in self.parts if p.ps == index]
 
     def parts_of(self, var: str) -> list[Part]:
-        return [p for p in self.parts if p.var == var]
+        """The parts of parameter `var`, in row order (do not change the list)."""
+        return self._by_var.get(var, [])
+
+    @cached_property
+    def _by_var(self) -> dict[str, list[Part]]:  # looked up several times a step by each worker
+        out: dict[str, list[Part]] = {}
+        for part in sorted(self.parts, key=lambda p: p.start):
+            out.setdefault(part.var, []).append(part)
+        return out
 
     def load(self) -> list[int]:
         loads = [0] * self.num_ps

@@ -31,6 +31,7 @@ CHUNK_BYTES = 4 << 20
 UNARY_MAX_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = 1 << 30
 _LEN = struct.Struct("<I")
+_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder, not one a message (json.dumps with options)
 
 SERVICE = "tfps.ParameterServer"
 # The PS's gRPC methods and their shapes (the names of grpc's `*_rpc_method_handler` on the
@@ -82,9 +83,9 @@ def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
         if pad:
             bufs.append(_ZEROS[:pad])
         entries.append([name, _dtype_name(arr.dtype), list(arr.shape), arr.nbytes])
-        bufs.append(arr if lazy else memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too
+        bufs.append(arr if lazy else memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too (format "B")
         offset += pad + arr.nbytes
-    header = json.dumps({"meta": meta, "tensors": entries, "align": ALIGN}, separators=(",", ":")).encode()
+    header = _JSON.encode({"meta": meta, "tensors": entries, "align": ALIGN}).encode()
     header += b" " * (-(_LEN.size + len(header)) % ALIGN)  # the first tensor starts aligned
     return [_LEN.pack(len(header)), header, *bufs]
 

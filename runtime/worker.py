@@ -22,7 +22,7 @@ from tfps.api.settings import ProcessSettings
 from tfps.api.spec import ConsistencyMode, TrainingSpec, WireDtype
 
 from . import wire
-from .client import ShardClient
+from .client import ShardClient, step_on_data_paths
 from .metrics import WorkerMetrics
 from .models import BatchSource, ModelDef
 from .sharding import Placement, place, route_rows
@@ -193,7 +193,7 @@ class Worker:
     # ---- calls to all shards in parallel ----
     def _map(self, fn, items):
         """fn over items, one per shard, in parallel: the first in this thread, the others in the pool."""
-        if self.pool is None or len(items) == 1:
+        if self.pool is None or len(items) <= 1:
             return [fn(*a) for a in items]
         rest = [self.pool.submit(fn, *a) for a in items[1:]]
         try:
@@ -204,7 +204,19 @@ class Worker:
         return [first, *(f.result() for f in rest)]
 
     def _call(self, k: int, meta: dict, tensors: dict) -> _Reply:
-        msg = self.clients[k].step({"worker": self.index, "workers": self.num_workers, **meta}, tensors, self._large[k])
+        return self._reply(self.clients[k].step({"worker": self.index, "workers": self.num_workers, **meta}, tensors, self._large[k]))
+
+    def _call_all(self, metas: list[dict], tensors: list[dict]) -> list[_Reply]:
+        """One Step to every shard: over their data connections at once, the rest in parallel."""
+        metas = [{"worker": self.index, "workers": self.num_workers, **meta} for meta in metas]
+        msgs = step_on_data_paths(self.clients, list(zip(metas, tensors, strict=True)))
+        missing = [k for k, msg in enumerate(msgs) if msg is None]
+        for k, msg in zip(missing, self._map(lambda k: self.clients[k].step(metas[k], tensors[k], self._large[k]), [(k,) for k in missing]),
+                          strict=True):
+            msgs[k] = msg
+        return [self._reply(msg) for msg in msgs]
+
+    def _reply(self, msg: wire.Message) -> _Reply:
         m = msg.meta
         return _Reply(int(m["version"]), bool(m["done"]), int(m.get("clock", 0)), bool(m.get("stale")), bool(m.get("pending")), msg,
                       int(m.get("workers", self.num_workers)))
@@ -234,7 +246,7 @@ class Worker:
 
     def _take_params(self, replies: list[_Reply]) -> None:
         for name in self.dense_vars:
-            pieces = [replies[p.ps].msg.tensors[p.name] for p in sorted(self.plan.parts_of(name), key=lambda p: p.start)]
+            pieces = [replies[p.ps].msg.tensors[p.name] for p in self.plan.parts_of(name)]
             self.params[name] = as_tensor(pieces[0] if len(pieces) == 1 else _aligned_concat(pieces))
 
     def _absorb(self, replies: list[_Reply], sent_tags: list[int] | None, row_requests: list[dict]) -> list[_Reply]:
@@ -268,7 +280,7 @@ class Worker:
         """Pull-only: the parameters from every shard."""
         t0 = time.perf_counter()
         none = [dict() for _ in self.clients]
-        replies = self._map(lambda k: self._call(k, {"tag": -1, "pull": True}, {}), [(k,) for k in range(len(self.clients))])
+        replies = self._call_all([{"tag": -1, "pull": True} for _ in self.clients], [{} for _ in self.clients])
         self._update_state(self._absorb(replies, None, none))
         self.metrics.pull_seconds.observe(time.perf_counter() - t0)
 
@@ -312,10 +324,8 @@ class Worker:
         try was applied is not applied twice."""
         t0 = time.perf_counter()
         seqs = None if self.mode is ConsistencyMode.SYNC else list(self.shard_clocks)
-        replies = self._map(
-            lambda k: self._call(k, {**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})}, {**shard_tensors[k], **row_requests[k]}),
-            [(k,) for k in range(len(self.clients))],
-        )
+        replies = self._call_all([{**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})} for k in range(len(self.clients))],
+                                 [{**shard_tensors[k], **row_requests[k]} for k in range(len(self.clients))])
         replies = self._absorb(replies, tags, row_requests)
         self.metrics.push_seconds.observe(time.perf_counter() - t0)
         return replies
@@ -394,7 +404,7 @@ class Worker:
         for name, table_routes in routes.items():
             grad = grads[name]
             for part, positions, local in table_routes:
-                out[part.ps][f"{part.name}:indices"] = local.astype(np.int64)
+                out[part.ps][f"{part.name}:indices"] = local.astype(np.int64, copy=False)
                 out[part.ps][f"{part.name}:values"] = grad[positions[0]:positions[-1] + 1]
         return out
 
