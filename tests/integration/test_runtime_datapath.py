@@ -189,3 +189,24 @@ def test_a_frame_that_comes_in_pieces_is_read_whole_and_a_silent_connection_is_c
     after = cluster.parameters()
     for name, value in after.items():
         np.testing.assert_allclose(value, before[name] - 0.1 * 0.5, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_step_whose_data_connection_breaks_is_made_again_and_applied_once():
+    """A worker sends its Step to every PS before it reads any reply (client.step_on_data_paths).
+    When one PS's connection breaks, that PS's request is made again through the client's
+    retrying path on a new connection; each PS applies the step's push once."""
+    training = TrainingSpec.model_validate({**TRAINING.model_dump(by_alias=True), "steps": 100})
+    with InProcessCluster(training, num_ps=2, num_workers=1) as cluster:
+        worker = _train_steps(cluster, 0, steps=2)
+        try:
+            versions = [s.version for s in cluster.shards]
+            broken = worker.clients[1]._data
+            broken.sock.shutdown(socket.SHUT_RDWR)
+            worker.train_step()
+            assert [s.version for s in cluster.shards] == [v + 1 for v in versions]
+            assert worker.clients[1]._data is not None and worker.clients[1]._data is not broken
+            assert worker.clients[0]._data is not None
+            worker.train_step()
+            assert [s.version for s in cluster.shards] == [v + 2 for v in versions]
+        finally:
+            worker.close()
