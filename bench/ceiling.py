@@ -2,8 +2,8 @@
 
 `python -m tfps.bench.ceiling --hidden 512,512 --workers 2 --seconds 15` starts the same
 number of worker processes as the PS runs, each computing gradients of the same MLP on
-the same data and batch with no PS at all, and prints one JSON line with their aggregate
-examples/s. Each child warms up, says READY, and starts its timed window only when all
+the same data and batch with no PS at all (TensorFlow's thread pools sized as `tfps local`
+sizes a replica's), and prints one JSON line with their aggregate examples/s. Each child warms up, says READY, and starts its timed window only when all
 are ready (GO on stdin), so the windows overlap.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 
 from . import mlp
 from .anchor_tf_pss import add_model_arguments
-from .procs import child_or_orchestrator, module_cmd, run_together, timed_window
+from .procs import child_or_orchestrator, module_cmd, run_together, size_tf_threads, timed_window
 
 MODULE = "tfps.bench.ceiling"
 
@@ -22,6 +22,7 @@ MODULE = "tfps.bench.ceiling"
 def child(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
+    threads = size_tf_threads(args.processes)
     hidden = mlp.parse_hidden(args.hidden)
     model = mlp.load(args.input_dim, hidden, args.classes, args.seed)
     params = [tf.Variable(v) for v in mlp.initial_values(model, args.seed)]
@@ -38,7 +39,7 @@ def child(args: argparse.Namespace) -> None:
         grads[-1].numpy()  # wait for the step, as a worker would before pushing
 
     steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)
-    print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed}), flush=True)
+    print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed, "threads": threads}), flush=True)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -46,7 +47,7 @@ def measure(args: argparse.Namespace) -> dict:
     base = [
         "--child", "--input-dim", str(args.input_dim), "--hidden", args.hidden, "--classes", str(args.classes),
         "--batch", str(args.batch), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
-        "--seed", str(args.seed),
+        "--seed", str(args.seed), "--processes", str(args.processes),
     ]  # fmt: skip
     results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 60)
     return {
@@ -55,6 +56,7 @@ def measure(args: argparse.Namespace) -> dict:
         "per_worker": [r["examples_per_second"] for r in results],
         "seconds": max(r["seconds"] for r in results),
         "workers": args.workers,
+        "threads": results[0]["threads"],
         "params": mlp.param_count(args.input_dim, hidden, args.classes),
     }
 
@@ -62,6 +64,8 @@ def measure(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
+    parser.add_argument("--processes", type=int, default=3,
+                        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     return child_or_orchestrator(parser.parse_args(argv), child, measure)

@@ -6,8 +6,9 @@ way a tfps worker does (tfps's grad_fn on the same `ModelDef`, batches and param
 tensors), and moving each step's bytes over a plain TCP socket to a process that only
 answers: the push (every dense gradient, and the touched rows' gradients of each embedding
 table) out, the pull (every dense parameter, and the rows the next batch touches) back.
-No optimizer, no framing beyond a length. Prints one JSON line: the aggregate examples/s
-and the bytes moved per step. The PS cannot do better than this with the same bytes.
+No optimizer, no framing beyond a length. Each worker sizes TensorFlow's thread pools as
+`tfps local` sizes a replica's (`--processes`). Prints one JSON line: the aggregate
+examples/s and the bytes moved per step. The PS cannot do better than this with the same bytes.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import struct
 import sys
 import threading
 
-from .procs import LOOPBACK, module_cmd, run_json, run_together, timed_window, child_or_orchestrator
+from .procs import LOOPBACK, child_or_orchestrator, module_cmd, run_json, run_together, size_tf_threads, timed_window
 
 MODULE = "tfps.bench.limit"
 STARTUP_S = 150.0  # allowance for starting the processes on a busy machine
@@ -86,6 +87,7 @@ def child(args: argparse.Namespace) -> None:
     from tfps.runtime.worker import make_grad_fn
     from tfps.runtime.zerocopy import as_tensor
 
+    threads = size_tf_threads(args.processes)
     model = load_model(args.model, json.loads(args.model_args), args.seed)
     train, _ = model.data()
     batches = BatchSource(train, args.seed, args.batch, args.index, args.workers)
@@ -127,7 +129,7 @@ def child(args: argparse.Namespace) -> None:
     steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)
     per_step = (exchange.moved - moved_before) / max(1, state["step"])
     print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed,
-                      "bytes_per_step": per_step}), flush=True)
+                      "bytes_per_step": per_step, "threads": threads}), flush=True)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -135,7 +137,7 @@ def measure(args: argparse.Namespace) -> dict:
     threading.Thread(target=serve, args=(listener,), daemon=True).start()
     base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
             "--workers", str(args.workers), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
-            "--seed", str(args.seed), "--port", str(listener.getsockname()[1])]
+            "--seed", str(args.seed), "--port", str(listener.getsockname()[1]), "--processes", str(args.processes)]
     results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
     return {
         "system": "limit",
@@ -144,13 +146,15 @@ def measure(args: argparse.Namespace) -> dict:
         "bytes_per_step": sum(r["bytes_per_step"] for r in results) / len(results),
         "seconds": max(r["seconds"] for r in results),
         "workers": args.workers,
+        "threads": results[0]["threads"],
     }
 
 
 def run(shape, cfg: dict) -> dict:
     """Measure the limit for a benchmark shape (bench/mlp.py's or bench/embedding.py's)."""
     cmd = module_cmd(MODULE, "--model", shape.model, "--model-args", json.dumps(shape.model_args), "--batch", str(shape.batch),
-                     "--workers", str(shape.workers), "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]))
+                     "--workers", str(shape.workers), "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
+                     "--processes", str(shape.workers + shape.ps))
     return run_json(cmd, STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"]), f"limit ({shape.name})")
 
 
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-args", default="{}", help="its spec.training.modelArgs, as JSON")
     parser.add_argument("--batch", type=int, default=128, help="per worker")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--processes", type=int, default=3,
+                        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's")
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)

@@ -92,7 +92,7 @@ def measure_shape_once(
     """One repeat of one shape: every system back to back. Returns examples/s and errors."""
     rep = Repeat(shape.name, progress, report.SYSTEMS)
     rep.attempt("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",))
-    rep.attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg))
+    rep.attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg, ["--processes", str(shape.workers + shape.ps)]))
     rep.attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
     row = rep.row
     for mode, wire_dtype in TFPS_RUNS:

@@ -158,3 +158,17 @@ def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -
     else:
         print(json.dumps(measure(args)), flush=True)
     return 0
+
+
+def size_tf_threads(processes: int) -> int:
+    """Size this process's TensorFlow thread pools as `tfps local` sizes each of a job's
+    `processes` replicas on this machine (so an anchor's workers compute as tfps's do), and
+    return the count."""
+    import tensorflow as tf
+
+    from tfps.runtime.local import process_threads
+
+    threads = process_threads(processes)
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    return threads

@@ -50,6 +50,12 @@ from .process import peak_rss_bytes
 POLL_SECONDS = 0.25
 
 
+
+def process_threads(processes: int) -> int:
+    """TensorFlow threads (per pool) of each of `processes` sharing this machine: like
+    torchrun's OMP_NUM_THREADS, they split its cores."""
+    return max(1, (os.cpu_count() or 1) // processes)
+
 @dataclass
 class Replica:
     rtype: ReplicaType
@@ -167,8 +173,7 @@ class LocalRun:
             ENV_AUTH_TOKEN_FILE: str(self.token_file),
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
             "PYTHONUNBUFFERED": "1",
-            # Like torchrun's OMP_NUM_THREADS: processes sharing this machine split its cores
-            ENV_INTRA_OP_THREADS: os.environ.get(ENV_INTRA_OP_THREADS, str(max(1, (os.cpu_count() or 1) // len(self.replicas)))),
+            ENV_INTRA_OP_THREADS: os.environ.get(ENV_INTRA_OP_THREADS, str(process_threads(len(self.replicas)))),
             **self.env,
         }
         if self.training is not None:

@@ -25,7 +25,7 @@ _F32 = np.float32
 
 def sum_duplicates(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows, each once; their values, summed over repeats)."""
-    if len(rows) < 2 or bool(np.all(rows[1:] > rows[:-1])):  # already sorted and unique, as workers send them
+    if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()):  # already sorted and unique, as workers send them
         return rows, values
     uniq, inverse = np.unique(rows, return_inverse=True)
     if len(uniq) == len(rows):

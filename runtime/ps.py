@@ -208,7 +208,7 @@ class Shard:
             raise Rejected("unknown_variable", f"{part.name!r} is dense: it has no rows")
         if arr.dtype != np.int64 or arr.ndim != 1:
             raise Rejected("wrong_dtype", f"{name!r}: row indices must be 1-D int64, got {arr.dtype} {list(arr.shape)}")
-        if arr.size and (arr.min() < 0 or arr.max() >= part.shape[0]):
+        if arr.size and (np.minimum.reduce(arr) < 0 or np.maximum.reduce(arr) >= part.shape[0]):
             raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}")
 
     @staticmethod
@@ -451,7 +451,7 @@ def _finite(arr: np.ndarray) -> bool:
         return not np.any((arr.view(np.uint16) & _BF16_EXPONENT) == _BF16_EXPONENT)
     # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a broken
     # gradient), at a fraction of the cost of an elementwise check.
-    return math.isfinite(float(arr.sum()))
+    return math.isfinite(float(np.add.reduce(arr, axis=None)))
 
 
 def _size(out: bytes | list) -> int:
