@@ -22,7 +22,8 @@ LEGEND = (
     "TF strategy = tf.distribute ParameterServerStrategy with ClusterCoordinator; bytes-inclusive limit = the same "
     "worker processes computing the same gradients and moving each step's push and pull bytes over plain sockets "
     "to a process that only answers (no optimizer); ceiling = the same worker processes computing gradients with "
-    "no PS and no bytes at all; bf16 wire = spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
+    "no PS and no bytes at all (both with TensorFlow's thread pools sized as tfps local sizes each replica's); "
+    "bf16 wire = spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
 )
 EMBEDDING_SYSTEMS: dict[str, str] = {
     "limit": "bytes-inclusive limit",  # of the touched rows' bytes (EMBEDDING_LEGEND)
