@@ -45,9 +45,8 @@ from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
 log = logging.getLogger("tfps.ps")
 
-BFLOAT16 = np.dtype(wire.DTYPES["bfloat16"])
 _BF16_EXPONENT = np.uint16(0x7F80)
-DENSE_WIRE_DTYPES = (np.dtype(np.float32), BFLOAT16)  # dense gradients may come as either
+DENSE_WIRE_DTYPES = ("float32", "bfloat16")  # dense gradients may come as either
 MAX_WORKERS = 100_000  # bounds the worker slots a request can make a PS allocate
 # How a Step reply is encoded, per transport (Shard.step's `encoding`).
 ENCODERS = {"bytes": wire.encode, "chunks": wire.encode_chunks, "pieces": wire.pieces}
@@ -101,7 +100,7 @@ class Shard:
         self.consistency = Consistency(self.mode, training.consistency.staleness, num_workers, worker_timeout, startup_grace)
         self.max_request_bytes = wire.MAX_MESSAGE_BYTES  # streamed requests too (unary: gRPC's limit)
         self.optimizer = ShardOptimizer(training.optimizer)
-        self._wire_dtype = np.dtype(wire.DTYPES[training.wire_dtype.value])  # of the dense parameters it sends
+        self._wire_dtype = wire.dtype(training.wire_dtype.value)  # of the dense parameters it sends
         self.incarnation = secrets.token_hex(4)
         self.cond = threading.Condition()
         self.version = 0
@@ -212,9 +211,9 @@ class Shard:
             raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}")
 
     @staticmethod
-    def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = (np.float32,)) -> None:
-        if arr.dtype not in dtypes:
-            raise Rejected("wrong_dtype", f"{name!r}: expected {' or '.join(np.dtype(d).name for d in dtypes)}, got {arr.dtype}")
+    def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = ("float32",)) -> None:
+        if wire.dtype_name(arr.dtype) not in dtypes:
+            raise Rejected("wrong_dtype", f"{name!r}: expected {' or '.join(dtypes)}, got {arr.dtype}")
         if tuple(arr.shape) != tuple(shape):
             raise Rejected("wrong_shape", f"{name!r}: expected shape {list(shape)}, got {list(arr.shape)}")
         if arr.size and not _finite(arr):
@@ -446,7 +445,7 @@ class Shard:
 
 def _finite(arr: np.ndarray) -> bool:
     """No NaN or Inf in `arr` (float32 or bfloat16)."""
-    if arr.dtype == BFLOAT16:
+    if arr.dtype != np.float32:  # bfloat16: the only other dtype that gets here
         # NaN and Inf are the values whose 8 exponent bits are all set
         return not np.any((arr.view(np.uint16) & _BF16_EXPONENT) == _BF16_EXPONENT)
     # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a broken

@@ -18,7 +18,6 @@ import struct
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-import ml_dtypes
 import numpy as np
 
 ALIGN = 64  # TensorFlow's CPU buffer alignment (EIGEN_MAX_ALIGN_BYTES with AVX-512)
@@ -53,9 +52,33 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
 ]
-DTYPES = {"float32": np.float32, "int64": np.int64, "int32": np.int32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
-_NP_DTYPES = {name: np.dtype(t) for name, t in DTYPES.items()}
+# The dtypes a message may carry, by their names on the wire. bfloat16 is ml_dtypes', imported
+# on first use (`dtype`): ~8 MiB resident and up to a second and a half of start-up that a PS
+# of a float32 job never needs (TensorFlow imports it anyway in a worker).
+DTYPE_NAMES = ("float32", "int64", "int32", "float16", "bfloat16")
+_NP_DTYPES = {name: np.dtype(name) for name in DTYPE_NAMES if name != "bfloat16"}
 _DTYPE_NAMES = {dtype: name for name, dtype in _NP_DTYPES.items()}
+
+
+def dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a wire dtype name; KeyError when the wire has no such dtype."""
+    found = _NP_DTYPES.get(name)
+    if found is not None:
+        return found
+    if name != "bfloat16":
+        raise KeyError(name)
+    import ml_dtypes
+
+    found = _NP_DTYPES[name] = np.dtype(ml_dtypes.bfloat16)
+    _DTYPE_NAMES[found] = name
+    return found
+
+
+def dtype_name(dt: np.dtype) -> str:
+    """The wire name of a dtype (np.dtype.name is computed in Python on every access, ~2 µs,
+    and a message has ~10 tensors)."""
+    name = _DTYPE_NAMES.get(dt)
+    return name if name is not None else np.dtype(dt).name
 
 
 class WireError(ValueError):
@@ -82,18 +105,12 @@ def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
         pad = -offset % ALIGN
         if pad:
             bufs.append(_ZEROS[:pad])
-        entries.append([name, _dtype_name(arr.dtype), list(arr.shape), arr.nbytes])
+        entries.append([name, dtype_name(arr.dtype), list(arr.shape), arr.nbytes])
         bufs.append(arr if lazy else memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too (format "B")
         offset += pad + arr.nbytes
     header = _JSON.encode({"meta": meta, "tensors": entries, "align": ALIGN}).encode()
     header += b" " * (-(_LEN.size + len(header)) % ALIGN)  # the first tensor starts aligned
     return [_LEN.pack(len(header)), header, *bufs]
-
-
-def _dtype_name(dtype: np.dtype) -> str:
-    # np.dtype.name is computed in Python on every access (~2 µs): a message has ~10 tensors
-    name = _DTYPE_NAMES.get(dtype)
-    return name if name is not None else np.dtype(dtype).name
 
 
 def expand(parts: Iterable) -> Iterator:
@@ -168,18 +185,18 @@ def decode(data: bytes) -> Message:
     tensors, offset = {}, start
     for entry in entries:
         try:
-            name, dtype_name, shape, nbytes = entry
-            dtype = _NP_DTYPES[dtype_name]
+            name, wire_name, shape, nbytes = entry
+            dt = _NP_DTYPES.get(wire_name) or dtype(wire_name)
             shape = tuple(map(int, shape))
             nbytes = int(nbytes)
         except (KeyError, ValueError, TypeError):
             raise WireError("wrong_dtype", f"tensor entry {entry!r}: unsupported dtype or bad entry") from None
-        if nbytes != math.prod(shape) * dtype.itemsize or (shape and min(shape) < 0):
-            raise WireError("wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {dtype_name}")
+        if nbytes != math.prod(shape) * dt.itemsize or (shape and min(shape) < 0):
+            raise WireError("wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {wire_name}")
         offset += -offset % align
         if offset + nbytes > len(view):
             raise WireError("truncated", f"tensor {name!r}: payload ends {offset + nbytes - len(view)} bytes early")
-        tensors[name] = np.frombuffer(view, dtype, nbytes // dtype.itemsize, offset).reshape(shape)
+        tensors[name] = np.frombuffer(view, dt, nbytes // dt.itemsize, offset).reshape(shape)
         offset += nbytes
     if offset != len(view):
         raise WireError("truncated", f"{len(view) - offset} unexpected bytes after the last tensor")

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from . import wire
 
-_BFLOAT16 = np.dtype(wire.DTYPES["bfloat16"])
+_BFLOAT16 = wire.dtype("bfloat16")
 _DLPACK_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32)}
 
 

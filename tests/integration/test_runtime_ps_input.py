@@ -69,7 +69,7 @@ def _bad_requests():
         ("unknown_variable", wire.encode(meta, {**good, "no/such/variable": np.zeros(3, np.float32)})),
         ("non_finite", wire.encode(meta, {**good, "dense_0/bias": nan[3, :64].copy()})),
         ("non_finite", wire.encode(meta, {"dense_0/kernel": inf})),
-        ("non_finite", wire.encode(meta, {"dense_0/kernel": nan.astype(wire.DTYPES["bfloat16"])})),
+        ("non_finite", wire.encode(meta, {"dense_0/kernel": nan.astype(wire.dtype("bfloat16"))})),
         ("wrong_dtype", wire.encode(meta, {"dense_0/kernel": good["dense_0/kernel"].astype(np.float16)})),
         ("out_of_range", wire.encode(meta, {"embedding:indices": np.array([1, 10**6], np.int64),
                                              "embedding:values": np.zeros((2, 16), np.float32)})),
@@ -112,7 +112,7 @@ def test_a_bfloat16_push_is_applied_in_float32(cluster):
     float32 parameters with them."""
     version = cluster.shards[0].version
     before = cluster.parameters()["dense_0/kernel"]
-    grad = np.full((4 * 16 + 8, 64), 0.5, np.float32).astype(wire.DTYPES["bfloat16"])
+    grad = np.full((4 * 16 + 8, 64), 0.5, np.float32).astype(wire.dtype("bfloat16"))
     _step(cluster, wire.encode({"worker": 0, "tag": version, "pull": False, "batch": 1}, {"dense_0/kernel": grad}))
     after = cluster.parameters()["dense_0/kernel"]
     assert cluster.shards[0].version == version + 1 and after.dtype == np.float32

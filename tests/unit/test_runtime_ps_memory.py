@@ -47,10 +47,20 @@ def _state(shard) -> dict[str, np.ndarray]:
     return {k: np.concatenate(list(v.blocks())) if isinstance(v, RowSnapshot) else np.array(v) for k, v in tensors.items()}
 
 
-def test_the_ps_does_not_import_tensorflow():
-    code = ("import sys; import tfps.runtime.ps_main, tfps.runtime.ps, tfps.runtime.checkpoint, tfps.runtime.optimizers; "
-            "sys.exit('tensorflow' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}).returncode == 0
+def _in_a_fresh_process(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_ps_of_a_float32_job_imports_neither_tensorflow_nor_ml_dtypes():
+    """ml_dtypes (bfloat16) costs a PS ~8 MiB resident: only a bfloat16 job loads it."""
+    serve = ("import sys, numpy as np; import tfps.runtime.ps_main, tfps.runtime.ps, tfps.runtime.checkpoint, tfps.runtime.optimizers; "
+             "from tfps.runtime import wire; "
+             "m = wire.decode(wire.encode({}, {'w': np.ones(3, np.float32), 'i': np.arange(2)})); ")
+    assert _in_a_fresh_process(serve + "print(sorted(k for k in ('tensorflow', 'ml_dtypes') if k in sys.modules))") == "[]"
+    bf16 = "m = wire.decode(wire.encode({}, {'w': np.ones(3, np.float32).astype(wire.dtype('bfloat16'))})); "
+    assert _in_a_fresh_process(serve + bf16 + "print(m.tensors['w'].dtype, 'ml_dtypes' in sys.modules)") == "bfloat16 True"
 
 
 def test_a_part_of_a_large_table_is_drawn_without_a_temporary_the_size_of_the_table():

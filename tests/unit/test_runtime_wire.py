@@ -62,7 +62,7 @@ def test_unknown_dtype_is_refused():
 
 
 def test_bfloat16_tensors_travel_as_two_bytes_each():
-    values = np.array([[1.5, -2.0], [0.0078125, 3.0e38]], np.float32).astype(wire.DTYPES["bfloat16"])
+    values = np.array([[1.5, -2.0], [0.0078125, 3.0e38]], np.float32).astype(wire.dtype("bfloat16"))
     data = wire.encode({}, {"w": values})
     out = wire.decode(data).tensors["w"]
     assert out.dtype.name == "bfloat16" and out.shape == (2, 2)

@@ -20,7 +20,7 @@ def test_an_aligned_array_is_shared_with_the_tensor():
 
 
 def test_bfloat16_is_shared_as_its_bits():
-    values = np.array([1.5, -2.0, 0.0078125, 3.0e38], np.float32).astype(wire.DTYPES["bfloat16"])
+    values = np.array([1.5, -2.0, 0.0078125, 3.0e38], np.float32).astype(wire.dtype("bfloat16"))
     tensor = as_tensor(_aligned(values))
     assert tensor.dtype.name == "bfloat16"
     np.testing.assert_array_equal(tensor.numpy().astype(np.float32), values.astype(np.float32))
