@@ -445,7 +445,7 @@ class Shard:
 
 def _finite(arr: np.ndarray) -> bool:
     """No NaN or Inf in `arr` (float32 or bfloat16)."""
-    if arr.dtype != np.float32:  # bfloat16: the only other dtype that gets here
+    if wire.dtype_name(arr.dtype) == "bfloat16":
         # NaN and Inf are the values whose 8 exponent bits are all set
         return not np.any((arr.view(np.uint16) & _BF16_EXPONENT) == _BF16_EXPONENT)
     # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a broken
