@@ -144,6 +144,11 @@ def _job_b_arrives_then_the_rest_frees_up(op, kwok, program: Program, priority: 
     op.core.delete_namespaced_pod("blocker-1", op.namespace, grace_period_seconds=0)
 
 
+def _gpus_held_by_running_pods(op) -> int:
+    return sum(int((c.resources.requests or {}).get(GPU, 0)) for p in op.pods().values()
+               if p.spec.node_name and p.status.phase == "Running" for c in p.spec.containers)
+
+
 def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_operator, kwok_nodes, priority_class):
     """The anchor: the same cluster and jobs with gang scheduling off. Each job ends up holding
     4 of the 6 GPUs it needs, the rest of its workers cannot be placed, and no GPU is left."""
@@ -162,9 +167,8 @@ def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_ope
     # Deadlock: every GPU is held, each job waits for 2 more that only the other could give back.
     wait_for("the rest of both jobs' workers unschedulable", lambda: len(program.unschedulable_workers("job-a")) == 2
              and len(program.unschedulable_workers("job-b")) == 2, 180)
-    held = sum(int((c.resources.requests or {}).get(GPU, 0)) for p in op.pods().values() if p.spec.node_name
-               and p.status.phase == "Running" for c in p.spec.containers)
-    assert held == 2 * GPUS_PER_NODE
+    # A bound pod runs once kwok, playing its kubelet, says so: poll rather than read it once.
+    wait_for("every GPU held by a running worker", lambda: _gpus_held_by_running_pods(op) == 2 * GPUS_PER_NODE, 60)
     for job in ("job-a", "job-b"):
         assert not program.finish_if_ready(job), f"{job} has all its pods running"
         assert op.status(job).get("phase") not in ("Succeeded", "Failed")
