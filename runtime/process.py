@@ -173,7 +173,7 @@ def start_pod_process(command: str, security_from_env: Callable[[bool], Any], te
         print(f"tfps {command}: {err}", file=sys.stderr)
         return None
     setup_logging(cfg.job, f"{command}-{cfg.cluster.task_index}")
-    keep_large_buffers()
+    keep_large_buffers(one_arena=not tensorflow)
     try:
         security = security_from_env(cfg.training.tls)
     except SecurityError as err:

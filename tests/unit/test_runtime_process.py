@@ -122,6 +122,28 @@ def test_large_buffers_are_kept_in_the_heap(mode, mmapped, kept):
     assert out == [str(mmapped), str(kept)]
 
 
+_ARENAS = r"""
+import ctypes, sys, threading
+from tfps.runtime.malloc import keep_large_buffers
+assert keep_large_buffers(one_arena=sys.argv[1] == "one")
+def request():
+    block = bytearray(8 << 20)  # what a request thread builds and drops
+thread = threading.Thread(target=request)
+thread.start()
+thread.join()
+ctypes.CDLL("libc.so.6").malloc_stats()  # one "Arena N:" section per arena, on stderr
+"""
+
+
+@pytest.mark.parametrize("arenas, count", [("per-thread", 2), ("one", 1)])
+def test_a_ps_keeps_every_threads_buffers_in_one_heap(arenas, count):
+    """With one arena (the PS's setting) a request thread allocates from the main heap, whose
+    freed blocks every thread reuses; by glibc's default it gets an arena of its own, which keeps
+    the largest working set that thread ever had."""
+    out = subprocess.run([sys.executable, "-c", _ARENAS, arenas], capture_output=True, text=True, check=True)
+    assert sum(line.startswith("Arena ") for line in out.stderr.splitlines()) == count
+
+
 def test_fault_syntax():
     assert (Fault.parse("ps-1@300").replica, Fault.parse("ps-1@300").step) == ("ps-1", 300)
     with pytest.raises(ValueError):
