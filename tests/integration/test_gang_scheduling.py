@@ -134,13 +134,16 @@ def _busy_cluster_then_job_a(op, kwok) -> None:
     time.sleep(ARRIVAL_GAP_S)
 
 
-def _job_b_arrives_then_the_rest_frees_up(op, kwok, program: Program, priority: str) -> None:
+def _job_b_arrives(op, kwok, program: Program, priority: str) -> None:
     op.create(_job(kwok, "job-b", priority))
     op.wait_pods("job-b", _pod_names("job-b"), 60)
     wait_for("job B's workers tried and found no GPU", lambda: len(program.unschedulable_workers("job-b")) == WORKERS, 120)
     # Past the scheduler's longest retry back-off (10 s), every pending worker is waiting for a
-    # change in the cluster, so the freed GPUs go by priority (B first), not by whose back-off ends first.
+    # change in the cluster, so the GPUs freed next go by priority (B first), not by whose back-off ends first.
     time.sleep(BACKOFF_S)
+
+
+def _the_rest_frees_up(op) -> None:
     op.core.delete_namespaced_pod("blocker-1", op.namespace, grace_period_seconds=0)
 
 
@@ -160,7 +163,8 @@ def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_ope
     _busy_cluster_then_job_a(op, kwok)
     wait_for("job A starts partially: 4 of its workers bound", lambda: sum(
         "-worker-" in n for n in program.bound("job-a")) == 4, 180)
-    _job_b_arrives_then_the_rest_frees_up(op, kwok, program, priority_class)
+    _job_b_arrives(op, kwok, program, priority_class)
+    _the_rest_frees_up(op)
 
     wait_for("job B starts partially: 4 of its workers bound", lambda: sum(
         "-worker-" in n for n in program.bound("job-b")) == 4, 180)
@@ -191,8 +195,11 @@ def test_workload_api_gang_runs_one_job_whole_then_the_other(tfps_operator, kwok
     workload = op.custom.get_namespaced_custom_object("scheduling.k8s.io", "v1alpha1", op.namespace, "workloads", "job-a")
     assert workload["spec"]["podGroups"] == [{"name": "training", "policy": {"gang": {"minCount": 2 + WORKERS}}}]
     assert workload["metadata"]["ownerReferences"][0]["name"] == "job-a"
-    _job_b_arrives_then_the_rest_frees_up(op, kwok, program, priority_class)
-    assert not program.bound("job-a") and not program.bound("job-b")  # neither gang is complete yet
+    _job_b_arrives(op, kwok, program, priority_class)
+    # Half the GPUs are free and each gang needs three quarters: neither is bound. (Checked before
+    # the rest frees up, after which the scheduler may bind a gang within milliseconds.)
+    assert not program.bound("job-a") and not program.bound("job-b")
+    _the_rest_frees_up(op)
 
     def one_job_whole() -> str | None:
         whole = [j for j in ("job-a", "job-b") if len(program.bound(j)) == 2 + WORKERS]
