@@ -158,10 +158,11 @@ def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
 
 
-def start_pod_process(command: str, security_from_env: Callable[[bool], Any], tensorflow: bool = True
-                      ) -> "tuple[ProcessConfig, Any] | None":
+def start_pod_process(command: str, security_from_env: Callable[[bool], Any], tensorflow: bool = True,
+                      one_arena: bool = False) -> "tuple[ProcessConfig, Any] | None":
     """The pod's config and its security (`security_from_env(tls)`), with logging set up to
-    name the job and replica and its CPUs logged (with `tensorflow`, TensorFlow's threads sized to them); None, with
+    name the job and replica, large buffers kept in the heap (in one arena with `one_arena`:
+    runtime/malloc.py) and its CPUs logged (with `tensorflow`, TensorFlow's threads sized to them); None, with
     the reason logged or on stderr, when the environment holds no usable config (the caller
     exits 2). Security comes first: a process that cannot check who it talks to must not
     start at all."""
@@ -173,7 +174,7 @@ def start_pod_process(command: str, security_from_env: Callable[[bool], Any], te
         print(f"tfps {command}: {err}", file=sys.stderr)
         return None
     setup_logging(cfg.job, f"{command}-{cfg.cluster.task_index}")
-    keep_large_buffers(one_arena=not tensorflow)
+    keep_large_buffers(one_arena)
     try:
         security = security_from_env(cfg.training.tls)
     except SecurityError as err:

@@ -22,7 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .auth import ServerSecurity
 
-    started = start_pod_process("ps", ServerSecurity.from_env, tensorflow=False)  # the PS runs on NumPy alone
+    # The PS runs on NumPy alone, and its request threads take turns under the GIL: one arena.
+    started = start_pod_process("ps", ServerSecurity.from_env, tensorflow=False, one_arena=True)
     if started is None:
         return 2
     cfg, security = started
