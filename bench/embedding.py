@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from .procs import Repeat, child_env, module_cmd, run_json
+from .procs import ANCHOR_CRASH_RETRIES, Repeat, child_env, module_cmd, run_json
 
 MODEL = "wide-deep"
 OPTIMIZERS = ("sgd", "adam")
@@ -82,7 +82,9 @@ def measure_anchor(shape: EmbeddingShape, optimizer: str, learning_rate: float, 
                      "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
                      "--learning-rate", str(learning_rate))
     timeout = ANCHOR_STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"])
-    return run_json(cmd, timeout, f"TF strategy ({shape.name}, {optimizer})", env=child_env(ENV))
+    return run_json(
+        cmd, timeout, f"TF strategy ({shape.name}, {optimizer})", env=child_env(ENV), crash_retries=ANCHOR_CRASH_RETRIES
+    )
 
 
 def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool) -> tuple[dict, list[str]]:

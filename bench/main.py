@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from . import embedding, limit, report, tfps_side
 from .mlp import SHAPES, Shape
-from .procs import MeasurementError, Repeat, module_cmd, run_json
+from .procs import ANCHOR_CRASH_RETRIES, MeasurementError, Repeat, module_cmd, run_json
 
 # tfps's runs in each repeat: (consistency mode, spec.training.wireDtype)
 TFPS_RUNS = (("async", "float32"), ("sync", "float32"), ("async", "bfloat16"))
@@ -83,7 +83,7 @@ def measure_anchor(module: str, shape: Shape, cfg: dict, extra: list[str] = ()) 
         "--learning-rate", str(cfg["learning_rate"]), *extra,
     )  # fmt: skip
     timeout = ANCHOR_STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"])
-    return run_json(cmd, timeout, f"{module.rsplit('.', 1)[-1]} ({shape.name})")
+    return run_json(cmd, timeout, f"{module.rsplit('.', 1)[-1]} ({shape.name})", crash_retries=ANCHOR_CRASH_RETRIES)
 
 
 def measure_shape_once(

@@ -67,3 +67,40 @@ def test_children_never_use_a_proxy():
     env = procs.child_env({"X": "1"})
     assert "http_proxy" not in env and "HTTPS_PROXY" not in env
     assert env["TF_CPP_MIN_LOG_LEVEL"] in ("0", "1", "2", "3") and env["X"] == "1"
+
+
+# A child that crashes (SIGSEGV) until the marker file exists, then prints its result.
+_CRASHES_ONCE = """
+import json, os, pathlib, signal, sys
+marker = pathlib.Path(sys.argv[1])
+if not marker.exists():
+    marker.write_text("crashed")
+    os.kill(os.getpid(), signal.SIGSEGV)
+print(json.dumps({"examples_per_second": 5.0}))
+"""
+
+
+def test_a_crashed_anchor_is_measured_again_and_the_report_says_so(tmp_path):
+    cmd = [procs.sys.executable, "-c", _CRASHES_ONCE, str(tmp_path / "marker")]
+    result = procs.run_json(cmd, 60, "flaky anchor", crash_retries=1)
+    assert result["examples_per_second"] == 5.0
+    assert result["crashed_attempts"] == 1 and "exit code -11" in result["crashes"][0]
+
+    lines = []
+    rep = procs.Repeat("670k", lines.append, {"tf_pss": "TF strategy"})
+    (tmp_path / "marker").unlink()
+    rep.attempt("tf_pss", lambda: procs.run_json(cmd, 60, "flaky anchor", crash_retries=1))
+    assert rep.row == {"tf_pss": 5.0, "tf_pss:crashed_attempts": 1} and rep.errors == []
+    assert "measured again after 1 crashed attempt" in lines[-1]
+
+
+def test_a_crash_is_a_failure_without_retries_and_an_error_exit_is_never_retried(tmp_path):
+    cmd = [procs.sys.executable, "-c", _CRASHES_ONCE, str(tmp_path / "marker")]
+    with pytest.raises(procs.MeasurementError, match="exit code -11") as err:
+        procs.run_json(cmd, 60, "tfps local")
+    assert err.value.crashed
+
+    fails = [procs.sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(procs.MeasurementError, match="exit code 3") as err:
+        procs.run_json(fails, 60, "anchor", crash_retries=1)
+    assert not err.value.crashed
