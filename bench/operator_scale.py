@@ -6,8 +6,10 @@ limits raised), on the same control plane, the same nodes, with the same pod tem
     python -m tfps.bench.operator_scale [--jobs 300] [--runs 3] [--sides tfps,stock,raised]
         [--succeed-after 30s] [--json FILE]
 
-Needs the control plane up (hack/cluster.sh up; the benchmark applies both CRDs), kwok built (hack/build-cluster.sh) and the
-anchor built (hack/build-training-operator.sh). The real scheduler binds the pods to the
+Needs the control plane up, alone (hack/cluster.sh up --no-node: kwok plays the nodes, and a
+real node's NetworkPolicy agent would work for every pod on the API server's cores; see
+bench/operator.py), kwok built (hack/build-cluster.sh) and the anchor built
+(hack/build-training-operator.sh). The benchmark applies both CRDs. The real scheduler binds the pods to the
 benchmark's own kwok nodes (operator_kwok.py; 30 × 128 CPU, 512Gi, 96 GPUs); kwok plays the kubelet: pods run at once and workers end Succeeded after
 --succeed-after; each operator then marks its job Succeeded and deletes the PS pods (clean pod
 policy Running). Runs alternate sides (tfps, stock, raised, tfps, ...), each in a fresh
