@@ -66,7 +66,7 @@ def run_json(
     """Run `cmd`, wait at most `timeout` seconds, return the JSON object it printed last.
 
     An anchor (TensorFlow's own processes) that crashes is run again up to `crash_retries`
-    times; the result then says how many attempts crashed (`crashed_attempts`) and why.
+    times; the result then lists why each crashed attempt failed (`crashes`).
     """
     crashes: list[str] = []
     while True:
@@ -79,7 +79,7 @@ def run_json(
             crashes.append(str(err))
             continue
         if crashes:
-            result.update(crashed_attempts=len(crashes), crashes=crashes)
+            result["crashes"] = crashes
         return result
 
 
@@ -180,9 +180,9 @@ class Repeat:
         for name in figures:
             self.row[f"{system}:{name}"] = result.get(name)
         again = ""
-        if result.get("crashed_attempts"):
-            self.row[f"{system}:crashed_attempts"] = result["crashed_attempts"]
-            again = f", measured again after {result['crashed_attempts']} crashed attempt(s)"
+        if crashed := len(result.get("crashes", ())):
+            self.row[f"{system}:crashed_attempts"] = crashed
+            again = f", measured again after {crashed} crashed attempt(s)"
         self.progress(f"{self.shape} {label}: {self.row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s{again})")
         return result
 
