@@ -1,6 +1,6 @@
-"""The optimizer of one PS shard, in NumPy on the shard's arrays (the PS process does not
-import TensorFlow: its import alone is ~600 MiB of resident memory, more than a 2M-row
-embedding shard's parameters).
+"""The optimizer of one PS shard, on the shard's arrays: NumPy for dense parameters, C kernels
+for embedding rows (runtime/_rows.c). The PS process does not import TensorFlow: its import
+alone is ~600 MiB of resident memory, more than a 2M-row embedding shard's parameters.
 
 Dense parameters and their slots are never changed in place: each update makes new arrays
 and the shard swaps them in, so a reply or a checkpoint that holds the previous arrays keeps
@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from tfps.api.spec import OptimizerName, OptimizerSpec
+
+from . import _rows
 
 SLOTS = {
     OptimizerName.SGD: (),
@@ -89,35 +91,22 @@ class ShardOptimizer:
 
     def apply_sparse(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, values: np.ndarray, t: int) -> None:
         """Update only `rows` (local row numbers, may repeat: repeated rows are summed) of
-        `var` and its slots, in place. (np.take gathers a table's rows in half the time of
-        fancy indexing; each gathered block is a fresh array, updated in place, then written back.)"""
+        `var` and its slots, in place, one pass over those rows in C (runtime/_rows.c: the same
+        float operations as `apply_dense`, row by row)."""
         rows, grad = sum_duplicates(rows, values)
         if grad.dtype != np.float32:
             grad = grad.astype(np.float32)
         name, lr = self.name, self._lr
         if name is OptimizerName.SGD:
-            step = grad * lr
+            _rows.sgd(var, rows, grad, lr)
         elif name is OptimizerName.MOMENTUM:
-            accum = np.take(slots["momentum"], rows, axis=0)
-            accum *= self._momentum
-            accum += grad
-            slots["momentum"][rows] = accum
-            step = accum * lr
+            _rows.momentum(var, slots["momentum"], rows, grad, lr, self._momentum)
         elif name is OptimizerName.ADAM:
-            m, v = _adam_moments(np.take(slots["m"], rows, axis=0), np.take(slots["v"], rows, axis=0), grad, self._b1, self._b2)
-            slots["m"][rows] = m
-            slots["v"][rows] = v
-            step = _scaled_step(m, v, self._adam_rate(t), self._eps, out=np.empty_like(m))
+            _rows.adam(var, slots["m"], slots["v"], rows, grad, self._b1, self._b2, self._adam_rate(t), self._eps)
         elif name is OptimizerName.ADAGRAD:
-            accum = np.take(slots["accumulator"], rows, axis=0)
-            accum += np.square(grad)
-            slots["accumulator"][rows] = accum
-            step = _scaled_step(grad, accum, lr, self._eps, out=np.empty_like(accum))
+            _rows.adagrad(var, slots["accumulator"], rows, grad, lr, self._eps)
         else:  # pragma: no cover
             raise ValueError(name)
-        new = np.take(var, rows, axis=0)
-        new -= step
-        var[rows] = new
 
 
 def _adam_moments(m, v, grad, b1, b2) -> tuple[np.ndarray, np.ndarray]:

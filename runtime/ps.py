@@ -32,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tfps.api.spec import ConsistencyMode, TrainingSpec
 
-from . import wire
+from . import _rows, wire
 from .checkpoint import RowSnapshot, ShardCheckpoints, load_rows
 from .consistency import Consistency, Push, Update
 from .auth import ServerSecurity
@@ -207,8 +207,10 @@ class Shard:
             raise Rejected("unknown_variable", f"{part.name!r} is dense: it has no rows")
         if arr.dtype != np.int64 or arr.ndim != 1:
             raise Rejected("wrong_dtype", f"{name!r}: row indices must be 1-D int64, got {arr.dtype} {list(arr.shape)}")
-        if arr.size and (np.minimum.reduce(arr) < 0 or np.maximum.reduce(arr) >= part.shape[0]):
-            raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}")
+        try:
+            _rows.check_rows(arr, part.shape[0])
+        except ValueError:
+            raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}") from None
 
     @staticmethod
     def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = ("float32",)) -> None:

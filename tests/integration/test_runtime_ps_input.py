@@ -73,6 +73,9 @@ def _bad_requests():
         ("wrong_dtype", wire.encode(meta, {"dense_0/kernel": good["dense_0/kernel"].astype(np.float16)})),
         ("out_of_range", wire.encode(meta, {"embedding:indices": np.array([1, 10**6], np.int64),
                                              "embedding:values": np.zeros((2, 16), np.float32)})),
+        ("out_of_range", wire.encode(meta, {"embedding:indices": np.array([-1, 2], np.int64),
+                                             "embedding:values": np.zeros((2, 16), np.float32)})),
+        ("out_of_range", wire.encode({**meta, "pull": True}, {"embedding:rows": np.array([0, -3], np.int64)})),
         ("malformed", wire.encode({**meta, "worker": 7}, good)),
     ]
 
