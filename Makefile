@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml runtime/_rows.c
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all]'
+	@$(PY) -c 'import tfps.runtime._rows' 2>/dev/null || { echo "venv: the PS's C row kernels (runtime/_rows.c) did not build: install gcc and Python's headers (hack/install-system-deps.sh)" >&2; exit 1; }
 	@rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)
@@ -30,27 +31,27 @@ cluster-tools:
 	hack/build-kueue.sh
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
-test: venv system-deps cluster-tools images
+test: system-deps venv cluster-tools images
 	$(PY) -m pytest tests -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 unit: venv
 	$(PY) -m pytest tests/unit -q
 
-integration: venv system-deps cluster-tools images
+integration: system-deps venv cluster-tools images
 	$(PY) -m pytest tests/integration -q
 
-e2e: venv system-deps cluster-tools images
+e2e: system-deps venv cluster-tools images
 	$(PY) -m pytest tests/e2e -q
 
 # Faults injected during real training runs, invalid input refused, data lost: the tests, then
 # the report (hack/reliability.py). The fault tests restart the control plane: keep this session alone.
 RELIABILITY_TESTS := tests/e2e/test_faults.py tests/integration/test_checkpoint_crash.py \
 	tests/integration/test_runtime_ps_input.py tests/integration/test_operator_validation.py
-reliability: venv system-deps cluster-tools images
+reliability: system-deps venv cluster-tools images
 	TFPS_RELIABILITY_REPORT=$(CURDIR)/.tfps/reliability.json $(PY) -m pytest $(RELIABILITY_TESTS) -q; rc=$$?; \
 	echo; $(PY) hack/reliability.py $(CURDIR)/.tfps/reliability.json; exit $$rc
 
-demo: venv system-deps cluster-tools images
+demo: system-deps venv cluster-tools images
 	hack/demo.sh
 
 bench: venv

@@ -3,7 +3,8 @@
 # and quiet when everything is present.
 #   openssl (the PKI), util-linux (unshare), prometheus + promtool (the metrics tests),
 #   the node: containerd + runc, the CNI plugins, iptables, ipset, conntrack, iproute2,
-#   the images: buildah (daemonless builds) and mmdebstrap (the Debian base image).
+#   the images: buildah (daemonless builds) and mmdebstrap (the Debian base image),
+#   gcc and Python's headers (pip builds the PS's C row kernels, runtime/_rows.c).
 set -euo pipefail
 need=()
 want() { command -v "$1" >/dev/null || [ -e "$1" ] || need+=("$2"); }
@@ -21,6 +22,7 @@ want ip iproute2
 want buildah buildah
 want mmdebstrap mmdebstrap
 want gcc gcc
+want "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" python3-dev
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" != 0 ]; then
   echo "install-system-deps: need root to install: ${need[*]}" >&2; exit 1
