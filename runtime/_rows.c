@@ -207,8 +207,45 @@ fail:
     return NULL;
 }
 
+/* take(table, rows, out): out[i] = table[rows[i]], the rows asked for ahead (a reply's rows;
+   NumPy's take waits for each row's cache misses in turn). Rows must be inside the table. */
+static PyObject *take(PyObject *self, PyObject *args) {
+    PyObject *var, *rows, *out;
+    Buf bufs[3] = {0};
+    if (!PyArg_ParseTuple(args, "OOO", &var, &rows, &out)) return NULL;
+    if (get(var, &bufs[0], "f", 2, 0, "table") < 0 || get(rows, &bufs[1], "q", 1, 0, "rows") < 0 ||
+        get(out, &bufs[2], "f", 2, 1, "out") < 0)
+        goto fail;
+    const float *t = bufs[0].view.buf;
+    const int64_t *r = bufs[1].view.buf;
+    float *o = bufs[2].view.buf;
+    Py_ssize_t n = bufs[0].view.shape[0], d = bufs[0].view.shape[1], k = bufs[1].view.shape[0];
+    if (bufs[2].view.shape[0] != k || bufs[2].view.shape[1] != d) {
+        PyErr_Format(PyExc_ValueError, "out of shape [%zd, %zd] for %zd rows of width %zd", bufs[2].view.shape[0],
+                     bufs[2].view.shape[1], k, d);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (r[i] < 0 || r[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "row %lld is outside the table's %zd rows", (long long)r[i], n);
+            goto fail;
+        }
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + AHEAD < k)
+            for (Py_ssize_t j = 0; j < d; j += 64 / sizeof(float)) __builtin_prefetch(t + r[i + AHEAD] * d + j, 0, 0);
+        memcpy(o + i * d, t + r[i] * d, d * sizeof(float));
+    }
+    Py_END_ALLOW_THREADS
+    release(bufs, 3);
+    Py_RETURN_NONE;
+fail:
+    release(bufs, 3);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"check_rows", check_rows, METH_VARARGS, "check_rows(rows, n) -> strictly increasing?; ValueError outside 0..n-1"},
+    {"take", take, METH_VARARGS, "take(table, rows, out): out[i] = table[rows[i]]"},
     {"sgd", sgd, METH_VARARGS, "sgd(table, rows, grad, lr)"},
     {"momentum", momentum, METH_VARARGS, "momentum(table, accum, rows, grad, lr, mu)"},
     {"adam", adam, METH_VARARGS, "adam(table, m, v, rows, grad, b1, b2, rate, eps)"},

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import wire
+
 
 INIT_BLOCK_ROWS = 1 << 16
 SKIP_ROWS = 1 << 10
@@ -90,7 +92,12 @@ class Dataset:
         return len(self.y)
 
     def take(self, idx: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        return {k: v[idx] for k, v in self.x.items()}, self.y[idx]
+        """The examples at `idx`, in aligned arrays (a worker's batch goes to TensorFlow without a copy)."""
+        return {k: _take(v, idx) for k, v in self.x.items()}, _take(self.y, idx)
+
+
+def _take(array: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    return np.take(array, idx, axis=0, out=wire.aligned_array((len(idx), *array.shape[1:]), array.dtype))
 
 
 @dataclass

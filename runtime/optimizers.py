@@ -91,9 +91,12 @@ class ShardOptimizer:
 
     def apply_sparse(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, values: np.ndarray, t: int) -> None:
         """Update only `rows` (local row numbers, may repeat: repeated rows are summed) of
-        `var` and its slots, in place, one pass over those rows in C (runtime/_rows.c: the same
-        float operations as `apply_dense`, row by row)."""
-        rows, grad = sum_duplicates(rows, values)
+        `var` and its slots, in place."""
+        self.apply_rows(var, slots, *sum_duplicates(rows, values), t)
+
+    def apply_rows(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, grad: np.ndarray, t: int) -> None:
+        """`apply_sparse` for rows given once each (`sum_duplicates`' output): one pass over
+        them in C (runtime/_rows.c: the same float operations as `apply_dense`, row by row)."""
         if grad.dtype != np.float32:
             grad = grad.astype(np.float32)
         name, lr = self.name, self._lr

@@ -140,11 +140,16 @@ class Shard:
         return self.consistency.live_workers()
 
     def _publish(self) -> None:
+        """The gauges of the shard's state, read when Prometheus scrapes (not set on every request)."""
         m = self.metrics
-        m.version.set(self.version)
-        m.global_step.set(self.version)
-        if self.loss is not None:
-            m.loss.set(self.loss)
+        m.version.set_function(lambda: self.version)
+        m.global_step.set_function(lambda: self.version)
+        m.loss.set_function(lambda: 0.0 if self.loss is None else self.loss)
+        m.workers_live.set_function(self._live_count)
+
+    def _live_count(self) -> int:
+        with self.cond:
+            return len(self.live_workers())
 
     # ---- validation: nothing is touched until the whole request is known good ----
     def _parse(self, msg: wire.Message) -> _Request:
@@ -235,7 +240,7 @@ class Shard:
                 snapshots[:] = [s for s in snapshots if not s.done]
                 for snap in snapshots:
                     snap.before_update(rows)
-            self.optimizer.apply_sparse(self.vars[name], self.slots[name], rows, values, t)
+            self.optimizer.apply_rows(self.vars[name], self.slots[name], rows, values, t)
         self.version = t
         self.examples += update.examples
         if update.loss is not None:
@@ -245,7 +250,6 @@ class Shard:
         m.updates.inc()
         m.staleness.observe(update.staleness)
         m.examples.inc(update.examples)
-        self._publish()
         self._track_rate()
         if self.checkpoints and self.checkpoints.due(t):
             self.checkpoints.save(*self._snapshot())
@@ -314,7 +318,6 @@ class Shard:
             self.consistency.seen(req.worker)
             target, stale = self._accept(req)
             pending = req.pull and not stale and self._wait(req, target)
-            self.metrics.workers_live.set(len(self.live_workers()))
             # In sync mode every worker gets the same reply for a version: encode it once.
             shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
             if shared and self._shared_reply[:2] == (self.version, encoding):
@@ -351,7 +354,9 @@ class Shard:
             if req.want_dense and not self.parts[name].sparse:
                 tensors[name] = var if var.dtype == self._wire_dtype else var.astype(self._wire_dtype)
         for name, idx in req.rows.items():
-            tensors[f"{name}:rows"] = np.take(self.vars[name], idx, axis=0)
+            table = self.vars[name]
+            tensors[f"{name}:rows"] = out = np.empty((len(idx), *table.shape[1:]), table.dtype)
+            _rows.take(table, idx, out)
         return tensors
 
     def pull_full(self) -> list[bytes]:

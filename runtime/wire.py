@@ -130,6 +130,13 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[start:start + nbytes]
 
 
+def aligned_array(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array of `shape` and `dtype` starting on an ALIGN boundary (TensorFlow
+    can then use its memory in place: runtime/zerocopy.py)."""
+    dtype = np.dtype(dtype)
+    return aligned_empty(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+
+
 def encode(meta: dict, tensors: dict[str, np.ndarray] | None = None) -> bytes:
     return b"".join(pieces(meta, tensors or {}))
 

@@ -133,3 +133,17 @@ def test_check_rows_says_whether_rows_are_sorted_and_unique_and_refuses_rows_out
     for rows in ([0, 10], [-1, 2]):
         with pytest.raises(ValueError, match="outside 0..9"):
             _rows.check_rows(np.array(rows, np.int64), 10)
+
+
+def test_take_copies_the_rows_asked_for_as_numpy_does_and_refuses_rows_outside():
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((1000, 16)).astype(np.float32)
+    rows = np.array([999, 0, 17, 17, 500, *range(100, 140)], np.int64)  # any order, repeats too
+    out = np.empty((len(rows), 16), np.float32)
+    _rows.take(table, rows, out)
+    np.testing.assert_array_equal(out, np.take(table, rows, axis=0))
+    _rows.take(table, np.array([], np.int64), np.empty((0, 16), np.float32))
+    with pytest.raises(ValueError, match="outside the table"):
+        _rows.take(table, np.array([3, 1000], np.int64), np.empty((2, 16), np.float32))
+    with pytest.raises(ValueError, match="for 2 rows"):
+        _rows.take(table, np.array([3, 4], np.int64), np.empty((3, 16), np.float32))
