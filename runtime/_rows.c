@@ -74,6 +74,17 @@ static PyObject *check_rows(PyObject *self, PyObject *args) {
     return PyBool_FromLong(increasing);
 }
 
+/* 0 when every one of the k rows is inside a table of n rows; -1 with a ValueError naming the
+   first that is not. */
+static int rows_inside(const int64_t *r, Py_ssize_t k, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < k; i++)
+        if (r[i] < 0 || r[i] >= n) {
+            PyErr_Format(PyExc_ValueError, "row %lld is outside the table's %zd rows", (long long)r[i], n);
+            return -1;
+        }
+    return 0;
+}
+
 /* An update's arguments: a table (n x d, written), up to two slots of its shape (written),
    k rows (each at most once) and their gradients (k x d). */
 typedef struct {
@@ -103,11 +114,7 @@ static int unpack(PyObject *var, PyObject *s1, PyObject *s2, PyObject *rows, PyO
             return -1;
         }
     const int64_t *r = bufs[1].view.buf;
-    for (Py_ssize_t i = 0; i < k; i++)
-        if (r[i] < 0 || r[i] >= shape[0]) {
-            PyErr_Format(PyExc_ValueError, "row %lld is outside the table's %zd rows", (long long)r[i], shape[0]);
-            return -1;
-        }
+    if (rows_inside(r, k, shape[0]) < 0) return -1;
     *out = (Rows){bufs[0].view.buf, s1 ? bufs[3].view.buf : NULL, s2 ? bufs[4].view.buf : NULL, bufs[2].view.buf, r, k,
                   shape[1]};
     return 0;
@@ -225,11 +232,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
                      bufs[2].view.shape[1], k, d);
         goto fail;
     }
-    for (Py_ssize_t i = 0; i < k; i++)
-        if (r[i] < 0 || r[i] >= n) {
-            PyErr_Format(PyExc_ValueError, "row %lld is outside the table's %zd rows", (long long)r[i], n);
-            goto fail;
-        }
+    if (rows_inside(r, k, n) < 0) goto fail;
     Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < k; i++) {
         if (i + AHEAD < k)
             for (Py_ssize_t j = 0; j < d; j += 64 / sizeof(float)) __builtin_prefetch(t + r[i + AHEAD] * d + j, 0, 0);

@@ -105,7 +105,7 @@ class Consistency:
         for name, grad in push.dense.items():
             acc = self._acc.get(name)
             if acc is None:
-                acc = self._acc[name] = wire.aligned_empty(grad.size * 4).view(np.float32).reshape(grad.shape)
+                acc = self._acc[name] = wire.aligned_array(grad.shape, np.float32)
                 acc[...] = grad
             else:
                 np.add(acc, grad, out=acc)

@@ -6,7 +6,7 @@ from tfps.runtime.zerocopy import as_tensor, in_place
 
 
 def _aligned(values: np.ndarray) -> np.ndarray:
-    out = wire.aligned_empty(values.nbytes).view(values.dtype).reshape(values.shape)
+    out = wire.aligned_array(values.shape, values.dtype)
     out[...] = values
     return out
 
