@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from .anchor_tf_pss import per_worker_iterator, pss_cluster, run_window
+from .anchor_tf_pss import per_worker_iterator, pss_cluster, run_window, say
 from .embedding import EmbeddingShape, load
 
 MODULE = "tfps.bench.anchor_tf_embedding"
@@ -51,10 +51,11 @@ def measure(args: argparse.Namespace) -> dict:
 
     shape = EmbeddingShape("anchor", args.vocab, dim=args.dim, batch=args.batch, workers=args.workers, ps=args.ps)
     model = load(shape, args.seed)
-    with pss_cluster(args) as (strategy, coordinator):
+    with pss_cluster(args) as (strategy, coordinator, watch):
         with strategy.scope():
             net = _keras_model(tf, shape)
             optimizer = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}[args.optimizer](args.learning_rate)
+        say(f"model built; peak resident: {watch}")
         iterator = per_worker_iterator(strategy, coordinator,
                                        lambda ctx: _dataset(model, args.batch, ctx.input_pipeline_id if ctx else 0))
 
@@ -73,6 +74,8 @@ def measure(args: argparse.Namespace) -> dict:
 
         steps, elapsed, loss = run_window(coordinator, step_fn, iterator, args)
         tables = [[v.name, v.shape.as_list(), v.device] for v in net.trainable_variables if v.shape[0] >= shape.rows // args.ps]
+        watch.sample()
+        say(f"done; peak resident: {watch}")
     return {
         "system": f"tf_pss_{args.optimizer}",
         "steps": steps,
@@ -81,6 +84,7 @@ def measure(args: argparse.Namespace) -> dict:
         "loss": loss,
         "tables": tables,  # the partitioned tables' pieces and their PS
         "keras": type(net).__module__.split(".")[0],  # tf_keras: Keras 2
+        "ps_peak_rss": watch.peak("ps"),  # the largest of TF's PS processes
     }
 
 

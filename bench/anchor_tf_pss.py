@@ -16,7 +16,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
+
+from tfps.runtime.process import peak_rss_bytes
 
 from . import mlp
 from .procs import LOOPBACK, child_env, free_port, module_cmd
@@ -25,6 +28,8 @@ MODULE = "tfps.bench.anchor_tf_pss"
 
 CHUNK_SECONDS = 0.5
 MAX_CHUNKS_IN_FLIGHT = 2  # bounds the coordinator's queue so the window ends on time
+WATCH_SECONDS = 1.0
+GIB = 1 << 30
 
 
 def cluster_spec(workers: int, ps: int) -> dict[str, list[str]]:
@@ -64,20 +69,78 @@ def start_servers(cluster: dict[str, list[str]]) -> list[subprocess.Popen]:
     return procs
 
 
+_START = time.monotonic()
+
+
+def say(what: str) -> None:
+    """A progress line on stderr: a run that times out is reported with its last lines."""
+    print(f"anchor: {time.monotonic() - _START:.0f} s: {what}", file=sys.stderr, flush=True)
+
+
+class ServerWatch:
+    """The servers' peak resident memory, sampled while they run: a server the kernel kills
+    for lack of memory can no longer say how large it grew."""
+
+    def __init__(self, servers: list[subprocess.Popen], names: list[str]):
+        self.servers, self.names = servers, names
+        self.peaks = [0] * len(servers)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="server-watch", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(WATCH_SECONDS):
+            self.sample()
+
+    def sample(self) -> None:
+        for i, proc in enumerate(self.servers):
+            self.peaks[i] = max(self.peaks[i], peak_rss_bytes(proc.pid) or 0)
+
+    def peak(self, job: str) -> int:
+        return max((p for p, n in zip(self.peaks, self.names, strict=True) if n.startswith(job)), default=0)
+
+    def dead(self) -> str | None:
+        """Which servers died before the end, how, and how large they had grown; None if none did."""
+        gone = [(n, p.returncode, peak) for n, p, peak in zip(self.names, self.servers, self.peaks, strict=True)
+                if p.poll() is not None]
+        if not gone:
+            return None
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        said = [f"{n} exited with {code}" + (" (SIGKILL: the kernel's OOM killer, when memory ran out)" if code == -9 else "")
+                + f" at {peak / GIB:.1f} GiB resident" for n, code, peak in gone]
+        return f"TensorFlow's servers died mid-run: {'; '.join(said)}; this machine has {total / GIB:.1f} GiB"
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {p / GIB:.1f} GiB" for n, p in zip(self.names, self.peaks, strict=True))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.sample()
+
+
 @contextlib.contextmanager
 def pss_cluster(args: argparse.Namespace):
-    """The PS and worker servers as processes, and this process's strategy and coordinator."""
+    """The PS and worker servers as processes, watched (`ServerWatch`), and this process's
+    strategy and coordinator."""
     import tensorflow as tf
 
     cluster = cluster_spec(args.workers, args.ps)
     servers = start_servers(cluster)
+    watch = ServerWatch(servers, [f"{job} {i}" for job in ("ps", "worker") for i in range(len(cluster[job]))])
+    say(f"{len(servers)} servers up")
     try:
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
         )
         strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=_partitioner(tf, args))
-        yield strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+        yield strategy, tf.distribute.coordinator.ClusterCoordinator(strategy), watch
+    except Exception as err:
+        died = watch.dead()
+        if died:
+            raise RuntimeError(died) from err
+        raise
     finally:
+        watch.stop()
         for proc in servers:
             proc.kill()
             proc.wait()
@@ -120,6 +183,7 @@ def run_window(coordinator, step_fn, iterator, args: argparse.Namespace) -> tupl
     # Schedule in chunks of about CHUNK_SECONDS of work, at most MAX_CHUNKS_IN_FLIGHT
     # queued, so the window ends close to `seconds` whatever the model's speed.
     rate = warm_steps / (time.perf_counter() - warm_start)
+    say(f"warmed up: {warm_steps} steps in {time.perf_counter() - warm_start:.1f} s")
     chunk = max(args.workers, int(rate * CHUNK_SECONDS))
 
     in_flight: collections.deque[list] = collections.deque()
@@ -142,7 +206,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     hidden = mlp.parse_hidden(args.hidden)
     model = mlp.load(args.input_dim, hidden, args.classes, args.seed)
-    with pss_cluster(args) as (strategy, coordinator):
+    with pss_cluster(args) as (strategy, coordinator, _):
         with strategy.scope():
             initial = mlp.initial_values(model, args.seed)
             params = [tf.Variable(v, name=p.name.replace("/", "_")) for p, v in zip(model.params, initial, strict=True)]

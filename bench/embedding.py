@@ -98,10 +98,10 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
     for optimizer in OPTIMIZERS:
         rep.row[f"state_{optimizer}:shard"] = shard_state_bytes(shape, optimizer)
         lr = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
-        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, lr, cfg))
+        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, lr, cfg), ("ps_peak_rss",))
         key = f"tfps_{optimizer}"
         rate = hints.get(key) or 0.8 * (rep.row.get("limit") or 20_000.0)
-        examples = rate * (cfg["seconds"] + cfg["warmup_seconds"]) * 1.15
+        examples = tfps_side.examples_for(rate, cfg)
         run = partial(tfps_side.measure, shape, "async", examples, rate, lr, optimizer=optimizer)
         rep.attempt(key, run, TFPS_FIGURES)
         if rep.row.get(key):

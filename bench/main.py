@@ -100,7 +100,7 @@ def measure_shape_once(
         # Size the run from the last tfps rate of this kind (else TF's): about `seconds`
         # of steady state plus the warm-up that tfps local excludes.
         rate = hints.get(key) or row.get("tf_pss") or row.get("ceiling") or 1000.0
-        examples = rate * (cfg["seconds"] + cfg["warmup_seconds"]) * 1.15
+        examples = tfps_side.examples_for(rate, cfg)
 
         def run_tfps(mode=mode, rate=rate, examples=examples, wire_dtype=wire_dtype) -> dict:
             return tfps_side.measure(shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype)

@@ -94,7 +94,9 @@ def _run_json_once(cmd: Sequence[str], timeout: float, what: str, env: dict[str,
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as err:
         kill_group(proc)
-        raise MeasurementError(f"{what}: no result within {timeout:.0f} s") from err
+        stderr = proc.communicate()[1] or ""  # what it said before it was stopped
+        tail = stderr.strip().splitlines()[-3:]
+        raise MeasurementError(f"{what}: no result within {timeout:.0f} s" + "".join(f" | {line}" for line in tail)) from err
     kill_group(proc)  # leftovers of a child that exited without stopping its own children
     if proc.returncode != 0:
         tail = (stderr or stdout).strip().splitlines()[-5:]

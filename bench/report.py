@@ -226,7 +226,7 @@ def _embedding_table(embedding: dict[str, Any]):
         for key, label in EMBEDDING_SYSTEMS.items():
             opt = key.rsplit("_", 2)[1] if key.startswith("tfps_adam") else key.rsplit("_", 1)[-1]
             wire = med.get(f"{key}:wire_bytes_per_step", med.get(f"{key}:bytes_per_step"))
-            state = med.get(f"state_{opt}:shard") if key.startswith("tfps") else None
+            state = med.get(f"state_{opt}:shard") if key != "limit" else None
             table.add_row(name, label, _fmt_rate(med.get(key)), _mib(wire), _mib(med.get(f"{key}:ps_peak_rss")), _mib(state),
                           _mib(med.get(f"{key}:worker_peak_rss")), _ms(med.get(f"{key}:median_step")), _ms(med.get(f"{key}:longest_step")))
     return table

@@ -28,6 +28,16 @@ def steps_for(mode: str, shape, examples: float) -> int:
     return max(MIN_STEPS, math.ceil(examples / per_version))
 
 
+def examples_for(rate: float, cfg: dict) -> float:
+    """Examples for a run at about `rate` examples/s that measures at least `seconds` of steady
+    state after as much warm-up as the anchors get: `tfps local`'s examples/s leaves out the
+    first tenth of the steps, so that tenth lasts at least `warmup_seconds`."""
+    from tfps.runtime.ps import RATE_SKIPS_ONE_IN
+
+    seconds = max(cfg["seconds"] + cfg["warmup_seconds"], RATE_SKIPS_ONE_IN * cfg["warmup_seconds"])
+    return rate * seconds * 1.15
+
+
 def manifest(shape, mode: str, steps: int, learning_rate: float = 0.01, seed: int = 0, wire_dtype: str = "float32",
              optimizer: str = "sgd", every_steps: int = NO_CHECKPOINT_STEPS) -> dict:
     """The TrainingJob that `tfps local` runs for one measurement (`shape`: bench/mlp.py's or bench/embedding.py's)."""

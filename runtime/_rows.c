@@ -1,16 +1,18 @@
-/* A PS's embedding-row kernels: the row check of a request and the optimizer updates of the
-   rows it touches, each one pass in C.
+/* A PS's update kernels: the row check of a request, the optimizer updates of the embedding
+   rows it touches, and the dense updates, each one pass in C.
 
    In NumPy an update of k rows is a gather of the rows (and of each slot's rows), several
    whole-array passes over the gathered copies and a scatter back, with a return to the
    interpreter between each; a row check is three reductions. The rows are scattered over a
    table of hundreds of MiB, so the loops here ask for the rows a few iterations ahead
-   (their cache misses overlap instead of waiting in turn).
+   (their cache misses overlap instead of waiting in turn). A dense update in NumPy is two to
+   eight passes over the variable's size (SGD: a multiply, then a subtract); here it is one.
 
-   Each float operation is the one NumPy's update does, in the same order (runtime/optimizers.py;
-   built with -ffp-contract=off), so a row comes out bit for bit as a dense update would leave it.
-   The arguments are any C-contiguous buffers (NumPy arrays): tables and gradients float32 and
-   2-D, rows int64 and 1-D; no NumPy headers are needed to build. */
+   Each float operation is the textbook rule's, in the same order for rows and dense arrays
+   (built with -ffp-contract=off: no fused multiply-add), so a row comes out bit for bit as a
+   dense update would leave it. The arguments are any C-contiguous buffers (NumPy arrays):
+   tables and row gradients float32 and 2-D, rows int64 and 1-D, dense arrays float32 of any
+   shape; no NumPy headers are needed to build. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -38,7 +40,7 @@ static int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, c
     const char *f = b->view.format ? b->view.format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
     int same = strcmp(f, fmt) == 0 || (fmt[0] == 'q' && strcmp(f, "l") == 0 && sizeof(long) == 8);
-    if (!same || b->view.ndim != ndim) {
+    if (!same || (ndim >= 0 && b->view.ndim != ndim)) {
         PyErr_Format(PyExc_TypeError, "%s: expected a %d-D array of %s, got %d-D of format '%s'", what, ndim,
                      fmt[0] == 'f' ? "float32" : "int64", b->view.ndim, f);
         return -1;
@@ -214,6 +216,133 @@ fail:
     return NULL;
 }
 
+/* A dense update's arguments: n floats each of the variable, its slots (up to two) and the
+   gradient, read; and of the new variable and new slots, written. A dense update leaves the
+   arrays it is given as they were (a reply or a checkpoint may be reading them), so it writes
+   its results to fresh arrays, in the same one pass. */
+typedef struct {
+    const float *var, *s1, *s2, *grad;
+    float *out, *o1, *o2;
+    Py_ssize_t n;
+} Dense;
+
+#define NDENSE 7
+
+/* objs: the variable, the gradient, the new variable, then each slot and its new array. */
+static int unpack_dense(PyObject **objs, int nobjs, Buf *bufs, Dense *d) {
+    static const char *what[NDENSE] = {"variable", "gradient", "out", "slot", "slot out", "slot", "slot out"};
+    static const int writable[NDENSE] = {0, 0, 1, 0, 1, 0, 1};
+    float *p[NDENSE] = {0};
+    for (int i = 0; i < nobjs; i++) {
+        if (get(objs[i], &bufs[i], "f", -1, writable[i], what[i]) < 0) return -1;
+        if (bufs[i].view.len != bufs[0].view.len) {
+            PyErr_Format(PyExc_ValueError, "%s of %zd floats for a variable of %zd", what[i],
+                         bufs[i].view.len / (Py_ssize_t)sizeof(float), bufs[0].view.len / (Py_ssize_t)sizeof(float));
+            return -1;
+        }
+        p[i] = bufs[i].view.buf;
+    }
+    for (int i = 0; i < nobjs; i++) /* the loop's restrict pointers: no out array overlaps another array */
+        for (int k = 0; k < nobjs; k++)
+            if (writable[i] && k != i && (char *)p[i] < (char *)p[k] + bufs[k].view.len &&
+                (char *)p[k] < (char *)p[i] + bufs[i].view.len) {
+                PyErr_Format(PyExc_ValueError, "%s overlaps %s: a dense update writes to fresh arrays", what[i], what[k]);
+                return -1;
+            }
+    *d = (Dense){p[0], p[3], p[5], p[1], p[2], p[4], p[6], bufs[0].view.len / (Py_ssize_t)sizeof(float)};
+    return 0;
+}
+
+/* Each dense loop is its row kernel's update (the same float operations), over every float,
+   written to the out arrays; h holds the hyperparameters, in the Python call's order. */
+#define DENSE_POINTERS                                                                          \
+    const float *restrict w = d->var, *restrict g = d->grad, *restrict a1 = d->s1, *restrict a2 = d->s2; \
+    float *restrict out = d->out, *restrict n1 = d->o1, *restrict n2 = d->o2;                     \
+    (void)a1, (void)a2, (void)n1, (void)n2
+
+static void sgd_loop(const Dense *d, const float *h) {
+    const float lr = h[0];
+    DENSE_POINTERS;
+    for (Py_ssize_t j = 0; j < d->n; j++) out[j] = w[j] - g[j] * lr;
+}
+
+static void momentum_loop(const Dense *d, const float *h) {
+    const float lr = h[0], mu = h[1];
+    DENSE_POINTERS;
+    for (Py_ssize_t j = 0; j < d->n; j++) {
+        float acc = a1[j] * mu + g[j];
+        n1[j] = acc;
+        out[j] = w[j] - acc * lr;
+    }
+}
+
+static void adam_loop(const Dense *d, const float *h) {
+    const float b1 = h[0], b2 = h[1], rate = h[2], eps = h[3], c1 = 1 - b1, c2 = 1 - b2;
+    DENSE_POINTERS;
+    for (Py_ssize_t j = 0; j < d->n; j++) {
+        float m = a1[j] * b1 + g[j] * c1, v = a2[j] * b2 + g[j] * g[j] * c2;
+        n1[j] = m;
+        n2[j] = v;
+        out[j] = w[j] - m / (sqrtf(v) + eps) * rate;
+    }
+}
+
+static void adagrad_loop(const Dense *d, const float *h) {
+    const float lr = h[0], eps = h[1];
+    DENSE_POINTERS;
+    for (Py_ssize_t j = 0; j < d->n; j++) {
+        float acc = g[j] * g[j] + a1[j];
+        n1[j] = acc;
+        out[j] = w[j] - g[j] / (sqrtf(acc) + eps) * lr;
+    }
+}
+
+static PyObject *run_dense(PyObject **objs, int nobjs, void (*loop)(const Dense *, const float *), const float *h) {
+    Buf bufs[NDENSE] = {0};
+    Dense d;
+    if (unpack_dense(objs, nobjs, bufs, &d) < 0) {
+        release(bufs, NDENSE);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS loop(&d, h);
+    Py_END_ALLOW_THREADS
+    release(bufs, NDENSE);
+    Py_RETURN_NONE;
+}
+
+/* dense_sgd(var, grad, out, lr) */
+static PyObject *dense_sgd(PyObject *self, PyObject *args) {
+    PyObject *o[NDENSE] = {0};
+    float h[4];
+    if (!PyArg_ParseTuple(args, "OOOf", &o[0], &o[1], &o[2], &h[0])) return NULL;
+    return run_dense(o, 3, sgd_loop, h);
+}
+
+/* dense_momentum(var, grad, out, accum, accum_out, lr, mu) */
+static PyObject *dense_momentum(PyObject *self, PyObject *args) {
+    PyObject *o[NDENSE] = {0};
+    float h[4];
+    if (!PyArg_ParseTuple(args, "OOOOOff", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1])) return NULL;
+    return run_dense(o, 5, momentum_loop, h);
+}
+
+/* dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps) */
+static PyObject *dense_adam(PyObject *self, PyObject *args) {
+    PyObject *o[NDENSE] = {0};
+    float h[4];
+    if (!PyArg_ParseTuple(args, "OOOOOOOffff", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &h[0], &h[1], &h[2], &h[3]))
+        return NULL;
+    return run_dense(o, 7, adam_loop, h);
+}
+
+/* dense_adagrad(var, grad, out, accum, accum_out, lr, eps) */
+static PyObject *dense_adagrad(PyObject *self, PyObject *args) {
+    PyObject *o[NDENSE] = {0};
+    float h[4];
+    if (!PyArg_ParseTuple(args, "OOOOOff", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1])) return NULL;
+    return run_dense(o, 5, adagrad_loop, h);
+}
+
 /* take(table, rows, out): out[i] = table[rows[i]], the rows asked for ahead (a reply's rows;
    NumPy's take waits for each row's cache misses in turn). Rows must be inside the table. */
 static PyObject *take(PyObject *self, PyObject *args) {
@@ -253,6 +382,10 @@ static PyMethodDef methods[] = {
     {"momentum", momentum, METH_VARARGS, "momentum(table, accum, rows, grad, lr, mu)"},
     {"adam", adam, METH_VARARGS, "adam(table, m, v, rows, grad, b1, b2, rate, eps)"},
     {"adagrad", adagrad, METH_VARARGS, "adagrad(table, accum, rows, grad, lr, eps)"},
+    {"dense_sgd", dense_sgd, METH_VARARGS, "dense_sgd(var, grad, out, lr)"},
+    {"dense_momentum", dense_momentum, METH_VARARGS, "dense_momentum(var, grad, out, accum, accum_out, lr, mu)"},
+    {"dense_adam", dense_adam, METH_VARARGS, "dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps)"},
+    {"dense_adagrad", dense_adagrad, METH_VARARGS, "dense_adagrad(var, grad, out, accum, accum_out, lr, eps)"},
     {NULL, NULL, 0, NULL},
 };
 

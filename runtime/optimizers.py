@@ -1,5 +1,5 @@
-"""The optimizer of one PS shard, on the shard's arrays: NumPy for dense parameters, C kernels
-for embedding rows (runtime/_rows.c). The PS process does not import TensorFlow: its import
+"""The optimizer of one PS shard, on the shard's arrays, in C (runtime/_rows.c): each update one
+pass over the variable, its slots and the gradient, where NumPy makes several. The PS process does not import TensorFlow: its import
 alone is ~600 MiB of resident memory, more than a 2M-row embedding shard's parameters.
 
 Dense parameters and their slots are never changed in place: each update makes new arrays
@@ -61,33 +61,25 @@ class ShardOptimizer:
     def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int
                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One update with `grad`; `t` (1-based) counts this shard's updates (Adam's bias
-        correction). Returns the new variable and slots; the given arrays are left as they were."""
+        correction). Returns the new variable and slots, written in one pass in C; the given
+        arrays are left as they were."""
         if grad.dtype != np.float32:
             grad = grad.astype(np.float32)  # bfloat16 off the wire
         name, lr = self.name, self._lr
         new = np.empty_like(var)
+        fresh = {s: np.empty_like(var) for s in SLOTS[name]}
         if name is OptimizerName.SGD:
-            np.multiply(grad, lr, out=new)
-            np.subtract(var, new, out=new)
-            return new, {}
-        if name is OptimizerName.MOMENTUM:
-            accum = slots["momentum"] * self._momentum
-            accum += grad
-            np.multiply(accum, lr, out=new)
-            np.subtract(var, new, out=new)
-            return new, {"momentum": accum}
-        if name is OptimizerName.ADAM:
-            m, v = _adam_moments(slots["m"].copy(), slots["v"].copy(), grad, self._b1, self._b2)
-            _scaled_step(m, v, self._adam_rate(t), self._eps, out=new)
-            np.subtract(var, new, out=new)
-            return new, {"m": m, "v": v}
-        if name is OptimizerName.ADAGRAD:
-            accum = np.square(grad)
-            accum += slots["accumulator"]
-            _scaled_step(grad, accum, lr, self._eps, out=new)
-            np.subtract(var, new, out=new)
-            return new, {"accumulator": accum}
-        raise ValueError(name)  # pragma: no cover - the spec's enum is closed
+            _rows.dense_sgd(var, grad, new, lr)
+        elif name is OptimizerName.MOMENTUM:
+            _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], lr, self._momentum)
+        elif name is OptimizerName.ADAM:
+            _rows.dense_adam(var, grad, new, slots["m"], fresh["m"], slots["v"], fresh["v"],
+                             self._b1, self._b2, self._adam_rate(t), self._eps)
+        elif name is OptimizerName.ADAGRAD:
+            _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], lr, self._eps)
+        else:  # pragma: no cover - the spec's enum is closed
+            raise ValueError(name)
+        return new, fresh
 
     def apply_sparse(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, values: np.ndarray, t: int) -> None:
         """Update only `rows` (local row numbers, may repeat: repeated rows are summed) of
@@ -111,20 +103,3 @@ class ShardOptimizer:
         else:  # pragma: no cover
             raise ValueError(name)
 
-
-def _adam_moments(m, v, grad, b1, b2) -> tuple[np.ndarray, np.ndarray]:
-    """b1*m + (1-b1)*g and b2*v + (1-b2)*g², computed into `m` and `v` (fresh arrays the caller owns)."""
-    m *= b1
-    m += grad * (1 - b1)
-    v *= b2
-    v += np.square(grad) * (1 - b2)
-    return m, v
-
-
-def _scaled_step(num, den, rate, eps, out) -> np.ndarray:
-    """rate * num / (sqrt(den) + eps), into `out`: Adam's step (m, v) and Adagrad's (g, accum)."""
-    np.sqrt(den, out=out)
-    out += eps
-    np.divide(num, out, out=out)
-    out *= rate
-    return out

@@ -39,6 +39,17 @@ def test_steps_count_ps_versions():
     assert tfps_side.steps_for("async", shape, 10) == tfps_side.MIN_STEPS
 
 
+@pytest.mark.parametrize("seconds, warmup", [(10.0, 3.0), (15.0, 3.0), (3.0, 1.0), (60.0, 2.0)])
+def test_a_tfps_run_warms_up_as_long_as_the_anchors_before_its_window(seconds, warmup):
+    from tfps.runtime.ps import RATE_SKIPS_ONE_IN
+
+    rate = 1000.0
+    run = tfps_side.examples_for(rate, {"seconds": seconds, "warmup_seconds": warmup}) / rate
+    # tfps local's examples/s leaves out the first tenth of the run: that tenth is the warm-up
+    assert run / RATE_SKIPS_ONE_IN >= warmup
+    assert run * (1 - 1 / RATE_SKIPS_ONE_IN) >= seconds
+
+
 def test_goodput_model_has_the_asked_size():
     for mib in (16, 64, 256):
         params = load_model("mlp", goodput.model_args_for(mib)).params
@@ -105,3 +116,40 @@ def test_a_crash_is_a_failure_without_retries_and_an_error_exit_is_never_retried
     with pytest.raises(procs.MeasurementError, match="exit code 3") as err:
         procs.run_json(fails, 60, "anchor", crash_retries=1)
     assert not err.value.crashed
+
+
+def test_a_measurement_that_times_out_is_reported_with_its_last_progress_lines():
+    stuck = [sys.executable, "-c", "import sys, time\n"
+             "for line in ('anchor: 1 s: 6 servers up', 'anchor: 40 s: model built'):\n"
+             "    print(line, file=sys.stderr, flush=True)\n"
+             "time.sleep(60)"]
+    with pytest.raises(procs.MeasurementError, match=r"no result within 2 s \| .*servers up \| .*model built$"):
+        procs.run_json(stuck, 2, "anchor")
+
+
+def test_an_anchor_server_killed_mid_run_is_named_with_how_it_died_and_how_large_it_grew():
+    """Real processes: a server that grew to ~64 MiB is SIGKILLed, as the OOM killer does."""
+    import signal
+    import subprocess
+
+    from tfps.bench.anchor_tf_pss import GIB, ServerWatch
+
+    grows = "import sys, time\nx = bytearray(64 << 20)\nprint('up', flush=True)\ntime.sleep(60)"
+    servers = [subprocess.Popen([sys.executable, "-c", grows], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for proc in servers:
+            proc.stdout.readline()
+        watch = ServerWatch(servers, ["ps 0", "worker 0"])
+        watch.sample()
+        assert watch.dead() is None
+        assert watch.peak("ps") >= 64 << 20 and watch.peak("worker") >= 64 << 20
+        servers[0].send_signal(signal.SIGKILL)
+        servers[0].wait()
+        said = watch.dead()
+        assert said.startswith("TensorFlow's servers died mid-run: ps 0 exited with -9 (SIGKILL: the kernel's OOM killer")
+        assert f"at {watch.peaks[0] / GIB:.1f} GiB resident" in said and "worker 0" not in said
+        watch.stop()
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait()

@@ -105,6 +105,7 @@ EMBEDDING_2M = {"limit": 50000.0, "limit:bytes_per_step": 1.0 * MIB, "tf_pss_sgd
                 "tfps_sgd:worker_peak_rss": 700.0 * MIB, "tf_pss_adam": 800.0, "tfps_adam": 30000.0,
                 "tfps_adam:wire_bytes_per_step": 1.3 * MIB, "tfps_adam:ps_peak_rss": 1000.0 * MIB, "state_adam:shard": 780.0 * MIB,
                 "tfps_adam:worker_peak_rss": 700.0 * MIB, "tfps_adam:longest_step": 0.2, "tfps_adam_ckpt": 29000.0,
+                "tf_pss_adam:ps_peak_rss": 2345.0 * MIB,
                 "tfps_adam_ckpt:longest_step": 0.5}
 
 
@@ -143,3 +144,6 @@ def test_report_with_embedding_shapes_renders_them_and_counts_their_goals():
     for label in [*report.EMBEDDING_SYSTEMS.values(), *(r.label for r in report.EMBEDDING_RATIOS), *(r.label for r in report.SCALE_RATIOS)]:
         assert label in text
     assert "goal ≤ 1.3×" in text and "goal ≥ 10×" in text
+    # TF's PS peak RSS next to the same shard state as tfps's
+    tf_adam = next(line for line in text.splitlines() if "TF strategy, Adam" in line and "2M" in line)
+    assert "2,345" in tf_adam and "780" in tf_adam

@@ -125,6 +125,26 @@ def test_the_row_kernels_refuse_arguments_that_do_not_fit_and_leave_the_table_as
                    grad[:1], 0.9, 0.999, 0.1, 1e-7)
 
 
+def test_the_dense_kernels_refuse_arrays_of_another_size_or_an_out_array_over_an_input():
+    var, grad = np.ones((6, 3), np.float32), np.ones((6, 3), np.float32)
+    out = np.full((6, 3), 7.0, np.float32)
+    cases = [
+        (ValueError, "gradient of 9 floats for a variable of 18", (var, grad[:3], out)),
+        (ValueError, "out of 17 floats", (var, grad, np.empty(17, np.float32))),
+        (ValueError, "out overlaps variable", (var, grad, var)),
+        (ValueError, "out overlaps gradient", (var, grad.reshape(-1), grad.reshape(-1))),
+        (TypeError, "float32", (var, grad.astype(np.float64), out)),
+    ]
+    for error, words, args in cases:
+        with pytest.raises(error, match=words):
+            _rows.dense_sgd(*args, 0.5)
+    np.testing.assert_array_equal(var, np.ones((6, 3), np.float32))
+    np.testing.assert_array_equal(out, np.full((6, 3), 7.0, np.float32))
+    m, v = np.zeros((6, 3), np.float32), np.zeros((6, 3), np.float32)
+    with pytest.raises(ValueError, match="slot out overlaps slot"):  # a new slot written over the old one
+        _rows.dense_adam(var, grad, out, m, m, v, np.empty_like(v), 0.9, 0.999, 0.1, 1e-7)
+
+
 def test_check_rows_says_whether_rows_are_sorted_and_unique_and_refuses_rows_outside():
     assert _rows.check_rows(np.array([0, 3, 9], np.int64), 10) is True
     assert _rows.check_rows(np.array([], np.int64), 10) is True
