@@ -6,7 +6,7 @@ export TFPS_CACHE ?= $(HOME)/.cache/tfps
 # The repository's operator/ folder (package tfps.operator) would shadow the standard library's
 # `operator` for `python -m`/`-c` run from the repository root: keep the cwd off sys.path.
 export PYTHONSAFEPATH := 1
-# pip builds the PS's C row kernels (runtime/_rows.c) into the editable install: a change of them reinstalls.
+# pip builds the PS's C update kernels (runtime/_rows.c) into the editable install: a change of them reinstalls.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml runtime/_rows.c | sha1sum | cut -c1-12)
 
 .PHONY: test unit integration e2e reliability demo venv cluster-tools system-deps lint bench clean-cluster images
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml runtime/_rows.c
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all]'
-	@$(PY) -c 'import tfps.runtime._rows' 2>/dev/null || { echo "venv: the PS's C row kernels (runtime/_rows.c) did not build: install gcc and Python's headers (hack/install-system-deps.sh)" >&2; exit 1; }
+	@$(PY) -c 'import tfps.runtime._rows' 2>/dev/null || { echo "venv: the PS's C update kernels (runtime/_rows.c) did not build: install gcc and Python's headers (hack/install-system-deps.sh)" >&2; exit 1; }
 	@rm -f $(VENV)/.installed-* && touch $@
 
 venv: $(STAMP)

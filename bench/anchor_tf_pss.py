@@ -165,13 +165,15 @@ def _partitioner(tf, args: argparse.Namespace):
 
 
 def _warm_up(coordinator, step_fn, iterator, args: argparse.Namespace) -> int:
-    """At least one round (tracing), then until the warm-up time is spent; the steps run."""
+    """Rounds of one step per worker (the first traces) until the warm-up time is spent; the
+    steps run. Rounds this small keep a slow anchor's warm-up short (TF's 10M-row Adam takes
+    ~20 s a step on 2 cores)."""
     start, steps = time.perf_counter(), 0
     while True:
-        for _ in range(args.workers * 4):
+        for _ in range(args.workers):
             coordinator.schedule(step_fn, args=(iterator,))
         coordinator.join()
-        steps += args.workers * 4
+        steps += args.workers
         if time.perf_counter() - start >= args.warmup_seconds:
             return steps
 
@@ -181,24 +183,25 @@ def run_window(coordinator, step_fn, iterator, args: argparse.Namespace) -> tupl
     warm_start = time.perf_counter()
     warm_steps = _warm_up(coordinator, step_fn, iterator, args)
     # Schedule in chunks of about CHUNK_SECONDS of work, at most MAX_CHUNKS_IN_FLIGHT
-    # queued, so the window ends close to `seconds` whatever the model's speed.
+    # queued, so the window ends close to `seconds` whatever the model's speed; a chunk that
+    # alone outlasts the window (a very slow anchor) is waited for before the next is queued.
     rate = warm_steps / (time.perf_counter() - warm_start)
-    say(f"warmed up: {warm_steps} steps in {time.perf_counter() - warm_start:.1f} s")
     chunk = max(args.workers, int(rate * CHUNK_SECONDS))
+    queued_at_most = MAX_CHUNKS_IN_FLIGHT if chunk / rate < args.seconds else 0
+    say(f"warmed up: {warm_steps} steps in {time.perf_counter() - warm_start:.1f} s; chunks of {chunk} steps")
 
     in_flight: collections.deque[list] = collections.deque()
-    steps = 0
+    steps, last = 0, None
     start = time.perf_counter()
     while time.perf_counter() - start < args.seconds:
         in_flight.append([coordinator.schedule(step_fn, args=(iterator,)) for _ in range(chunk)])
-        steps += chunk
-        if len(in_flight) > MAX_CHUNKS_IN_FLIGHT:
+        steps, last = steps + chunk, in_flight[-1][-1]
+        if len(in_flight) > queued_at_most:
             for value in in_flight.popleft():
                 value.fetch()
     coordinator.join()
     elapsed = time.perf_counter() - start
-    loss = float(in_flight[-1][-1].fetch()) if in_flight else float("nan")
-    return steps, elapsed, loss
+    return steps, elapsed, float(last.fetch()) if last is not None else float("nan")
 
 
 def measure(args: argparse.Namespace) -> dict:

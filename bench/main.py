@@ -97,9 +97,10 @@ def measure_shape_once(
     row = rep.row
     for mode, wire_dtype in TFPS_RUNS:
         key = tfps_side.system_key(mode, wire_dtype)
-        # Size the run from the last tfps rate of this kind (else TF's): about `seconds`
-        # of steady state plus the warm-up that tfps local excludes.
-        rate = hints.get(key) or row.get("tf_pss") or row.get("ceiling") or 1000.0
+        # Size the run from the last tfps rate of this kind, else from the limit's (which tfps
+        # cannot pass: the run is then at least as long as asked), to `seconds` of steady
+        # state after the warm-up that tfps local leaves out (tfps_side.examples_for).
+        rate = hints.get(key) or row.get("limit") or row.get("tf_pss") or row.get("ceiling") or 1000.0
         examples = tfps_side.examples_for(rate, cfg)
 
         def run_tfps(mode=mode, rate=rate, examples=examples, wire_dtype=wire_dtype) -> dict:

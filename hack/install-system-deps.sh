@@ -4,7 +4,7 @@
 #   openssl (the PKI), util-linux (unshare), prometheus + promtool (the metrics tests),
 #   the node: containerd + runc, the CNI plugins, iptables, ipset, conntrack, iproute2,
 #   the images: buildah (daemonless builds) and mmdebstrap (the Debian base image),
-#   gcc and Python's headers (pip builds the PS's C row kernels, runtime/_rows.c).
+#   gcc and Python's headers (pip builds the PS's C update kernels, runtime/_rows.c).
 set -euo pipefail
 need=()
 want() { command -v "$1" >/dev/null || [ -e "$1" ] || need+=("$2"); }

@@ -389,7 +389,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "A PS's embedding-row kernels (runtime/_rows.c).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "A PS's update kernels (runtime/_rows.c).", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__rows(void) { return PyModule_Create(&module); }

@@ -153,3 +153,39 @@ def test_an_anchor_server_killed_mid_run_is_named_with_how_it_died_and_how_large
         for proc in servers:
             proc.kill()
             proc.wait()
+
+
+class _SlowCoordinator:
+    """A stand-in for TF's ClusterCoordinator (its `schedule`, `join` and values' `fetch`) whose
+    steps each take `step_s` on one of `workers` threads: the scheduling is under test, not TF."""
+
+    def __init__(self, step_s: float, workers: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.step_s, self.pool, self.futures = step_s, ThreadPoolExecutor(workers), []
+
+    def schedule(self, fn, args=()):
+        import time
+
+        future = self.pool.submit(lambda: (time.sleep(self.step_s), 0.5)[1])
+        future.fetch = future.result
+        self.futures.append(future)
+        return future
+
+    def join(self):
+        for future in self.futures:
+            future.result()
+
+
+@pytest.mark.parametrize("step_s, seconds", [(0.6, 0.5), (0.01, 2.0)])
+def test_the_anchor_window_ends_near_its_length_for_a_slow_anchor_and_a_fast_one(step_s, seconds):
+    from tfps.bench.anchor_tf_pss import CHUNK_SECONDS, MAX_CHUNKS_IN_FLIGHT, run_window
+
+    args = argparse.Namespace(workers=2, seconds=seconds, warmup_seconds=0.1)
+    coordinator = _SlowCoordinator(step_s, workers=2)
+    steps, elapsed, loss = run_window(coordinator, None, None, args)
+    # A slow anchor (one step per worker outlasts the window) is timed over those steps alone,
+    # not over the three such chunks a fast one may have queued when its window ends.
+    overrun = step_s if step_s > seconds else (MAX_CHUNKS_IN_FLIGHT + 1) * CHUNK_SECONDS
+    assert seconds <= elapsed < seconds + overrun + 0.3
+    assert steps / elapsed == pytest.approx(2 / step_s, rel=0.35) and loss == 0.5

@@ -1,4 +1,4 @@
-"""The PS optimizers (NumPy, and C for embedding rows) against the textbook update rules."""
+"""The PS optimizers (C kernels, dense and by rows) against the textbook update rules and NumPy."""
 import ml_dtypes
 import numpy as np
 import pytest
@@ -57,6 +57,41 @@ def test_dense_update_matches_the_textbook_rule(name):
     np.testing.assert_allclose(var, reference(name, spec, W0, GRADS), rtol=1e-5, atol=1e-6)
 
 
+def _numpy_update(name: str, opt: ShardOptimizer, var, slots, g, t):
+    """The update as float32 NumPy expressions, one operation at a time, in the textbook's order."""
+    f = np.float32
+    lr, eps = f(opt.spec.learning_rate), f(opt.spec.epsilon)
+    if name == "sgd":
+        return var - g * lr, {}
+    if name == "momentum":
+        acc = slots["momentum"] * f(opt.spec.momentum) + g
+        return var - acc * lr, {"momentum": acc}
+    if name == "adam":
+        b1, b2 = f(opt.spec.beta1), f(opt.spec.beta2)
+        m = slots["m"] * b1 + g * (f(1) - b1)
+        v = slots["v"] * b2 + g * g * (f(1) - b2)
+        return var - m / (np.sqrt(v) + eps) * opt._adam_rate(t), {"m": m, "v": v}
+    acc = g * g + slots["accumulator"]
+    return var - g / (np.sqrt(acc) + eps) * lr, {"accumulator": acc}
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad"])
+def test_the_dense_kernels_round_every_float_as_numpy_does(name):
+    _, opt, var, slots = _setup(name)
+    rng = np.random.default_rng(5)
+    var, grads = rng.normal(size=(700, 33)).astype(np.float32), rng.normal(size=(3, 700, 33)).astype(np.float32)
+    slots = {s: opt.initial_slot(s, var.shape) for s in opt.slot_names()}
+    expected, expected_slots = var, dict(slots)
+    for t, g in enumerate(grads, start=1):
+        var, new_slots = opt.apply_dense(var, slots, g, t)
+        slots = {**slots, **new_slots}
+        expected, numpy_slots = _numpy_update(name, opt, expected, expected_slots, g, t)
+        expected_slots = {**expected_slots, **numpy_slots}
+    np.testing.assert_array_equal(var, expected)
+    for s in slots:
+        np.testing.assert_array_equal(slots[s], expected_slots[s])
+
+
 def test_a_bfloat16_dense_gradient_is_applied_as_float32():
     spec, opt, var, slots = _setup("sgd")
     grad = GRADS[0].astype(ml_dtypes.bfloat16)
@@ -82,8 +117,8 @@ def test_sparse_update_moves_only_the_touched_rows(name, order):
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad"])
 def test_a_row_updated_sparsely_is_bit_for_bit_the_row_a_dense_update_makes(name):
-    """The C row kernels do NumPy's float operations in NumPy's order: three steps on 300
-    scattered rows of a 5000-row table leave each row exactly as `apply_dense` leaves it."""
+    """The row kernels and the dense ones do the same float operations in the same order: three
+    steps on 300 scattered rows of a 5000-row table leave each row exactly as `apply_dense` does."""
     spec = OptimizerSpec(name=name, learning_rate=0.05)
     opt = ShardOptimizer(spec)
     rng = np.random.default_rng(3)
