@@ -165,15 +165,16 @@ def _partitioner(tf, args: argparse.Namespace):
 
 
 def _warm_up(coordinator, step_fn, iterator, args: argparse.Namespace) -> int:
-    """Rounds of one step per worker (the first traces) until the warm-up time is spent; the
-    steps run. Rounds this small keep a slow anchor's warm-up short (TF's 10M-row Adam takes
-    ~20 s a step on 2 cores)."""
+    """A round of one step per worker (it traces), then rounds of four until the warm-up time
+    is spent; the steps run. The small first round keeps a slow anchor's warm-up short (TF's
+    first 10M-row Adam steps take tens of seconds each on 2 cores)."""
     start, steps = time.perf_counter(), 0
     while True:
-        for _ in range(args.workers):
+        round_steps = args.workers * (4 if steps else 1)
+        for _ in range(round_steps):
             coordinator.schedule(step_fn, args=(iterator,))
         coordinator.join()
-        steps += args.workers
+        steps += round_steps
         if time.perf_counter() - start >= args.warmup_seconds:
             return steps
 
