@@ -32,9 +32,9 @@ def examples_for(rate: float, cfg: dict) -> float:
     """Examples for a run at about `rate` examples/s that measures at least `seconds` of steady
     state after as much warm-up as the anchors get: `tfps local`'s examples/s leaves out the
     first tenth of the steps, so that tenth lasts at least `warmup_seconds`."""
-    from tfps.runtime.ps import RATE_SKIPS_ONE_IN
+    from tfps.runtime.metrics import WARM_UP_ONE_IN
 
-    seconds = max(cfg["seconds"] + cfg["warmup_seconds"], RATE_SKIPS_ONE_IN * cfg["warmup_seconds"])
+    seconds = max(cfg["seconds"] + cfg["warmup_seconds"], WARM_UP_ONE_IN * cfg["warmup_seconds"])
     return rate * seconds * 1.15
 
 

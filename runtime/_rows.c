@@ -5,8 +5,9 @@
    whole-array passes over the gathered copies and a scatter back, with a return to the
    interpreter between each; a row check is three reductions. The rows are scattered over a
    table of hundreds of MiB, so the loops here ask for the rows a few iterations ahead
-   (their cache misses overlap instead of waiting in turn). A dense update in NumPy is two to
-   eight passes over the variable's size (SGD: a multiply, then a subtract); here it is one.
+   (their cache misses overlap instead of waiting in turn). A dense update in NumPy is several
+   passes over the variable's size (SGD two: a multiply, then a subtract; Adam more than ten);
+   here it is one.
 
    Each float operation is the textbook rule's, in the same order for rows and dense arrays
    (built with -ffp-contract=off: no fused multiply-add), so a row comes out bit for bit as a
@@ -41,8 +42,12 @@ static int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, c
     if (*f == '<' || *f == '=' || *f == '@') f++;
     int same = strcmp(f, fmt) == 0 || (fmt[0] == 'q' && strcmp(f, "l") == 0 && sizeof(long) == 8);
     if (!same || (ndim >= 0 && b->view.ndim != ndim)) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a %d-D array of %s, got %d-D of format '%s'", what, ndim,
-                     fmt[0] == 'f' ? "float32" : "int64", b->view.ndim, f);
+        const char *type = fmt[0] == 'f' ? "float32" : "int64";
+        if (ndim < 0)
+            PyErr_Format(PyExc_TypeError, "%s: expected an array of %s, got format '%s'", what, type, f);
+        else
+            PyErr_Format(PyExc_TypeError, "%s: expected a %d-D array of %s, got %d-D of format '%s'", what, ndim, type,
+                         b->view.ndim, f);
         return -1;
     }
     return 0;
@@ -318,13 +323,17 @@ static PyObject *dense_sgd(PyObject *self, PyObject *args) {
     return run_dense(o, 3, sgd_loop, h);
 }
 
-/* dense_momentum(var, grad, out, accum, accum_out, lr, mu) */
-static PyObject *dense_momentum(PyObject *self, PyObject *args) {
+/* The dense updates with one slot and two hyperparameters (momentum, adagrad):
+   (var, grad, out, slot, slot_out, h0, h1). */
+static PyObject *one_slot(PyObject *args, void (*loop)(const Dense *, const float *)) {
     PyObject *o[NDENSE] = {0};
     float h[4];
     if (!PyArg_ParseTuple(args, "OOOOOff", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1])) return NULL;
-    return run_dense(o, 5, momentum_loop, h);
+    return run_dense(o, 5, loop, h);
 }
+
+/* dense_momentum(var, grad, out, accum, accum_out, lr, mu) */
+static PyObject *dense_momentum(PyObject *self, PyObject *args) { return one_slot(args, momentum_loop); }
 
 /* dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps) */
 static PyObject *dense_adam(PyObject *self, PyObject *args) {
@@ -336,12 +345,7 @@ static PyObject *dense_adam(PyObject *self, PyObject *args) {
 }
 
 /* dense_adagrad(var, grad, out, accum, accum_out, lr, eps) */
-static PyObject *dense_adagrad(PyObject *self, PyObject *args) {
-    PyObject *o[NDENSE] = {0};
-    float h[4];
-    if (!PyArg_ParseTuple(args, "OOOOOff", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1])) return NULL;
-    return run_dense(o, 5, adagrad_loop, h);
-}
+static PyObject *dense_adagrad(PyObject *self, PyObject *args) { return one_slot(args, adagrad_loop); }
 
 /* take(table, rows, out): out[i] = table[rows[i]], the rows asked for ahead (a reply's rows;
    NumPy's take waits for each row's cache misses in turn). Rows must be inside the table. */

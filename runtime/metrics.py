@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LABELS = ("job", "namespace", "replica_type", "replica_index")
+WARM_UP_ONE_IN = 10  # examples/s and step times leave out the first tenth of the steps (warm-up)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 

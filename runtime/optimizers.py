@@ -1,6 +1,7 @@
 """The optimizer of one PS shard, on the shard's arrays, in C (runtime/_rows.c): each update one
-pass over the variable, its slots and the gradient, where NumPy makes several. The PS process does not import TensorFlow: its import
-alone is ~600 MiB of resident memory, more than a 2M-row embedding shard's parameters.
+pass over the variable, its slots and the gradient, where NumPy makes several. The PS process
+does not import TensorFlow: its import alone is ~600 MiB of resident memory, more than a
+2M-row embedding shard's parameters.
 
 Dense parameters and their slots are never changed in place: each update makes new arrays
 and the shard swaps them in, so a reply or a checkpoint that holds the previous arrays keeps

@@ -37,7 +37,7 @@ from .checkpoint import RowSnapshot, ShardCheckpoints, load_rows
 from .consistency import Consistency, Push, Update
 from .auth import ServerSecurity
 from .datapath import DataServer, split_host
-from .metrics import PSMetrics
+from .metrics import WARM_UP_ONE_IN, PSMetrics
 from .models import Param
 from .optimizers import ShardOptimizer, sum_duplicates
 from .sharding import Part, initial_part, place
@@ -48,7 +48,6 @@ log = logging.getLogger("tfps.ps")
 _BF16_EXPONENT = np.uint16(0x7F80)
 DENSE_WIRE_DTYPES = ("float32", "bfloat16")  # dense gradients may come as either
 MAX_WORKERS = 100_000  # bounds the worker slots a request can make a PS allocate
-RATE_SKIPS_ONE_IN = 10  # examples/s leaves out the first tenth of the steps (warm-up)
 # How a Step reply is encoded, per transport (Shard.step's `encoding`).
 ENCODERS = {"bytes": wire.encode, "chunks": wire.encode_chunks, "pieces": wire.pieces}
 
@@ -257,7 +256,7 @@ class Shard:
         self.cond.notify_all()
 
     def _track_rate(self) -> None:
-        warm_step = max(2, self.steps // RATE_SKIPS_ONE_IN)
+        warm_step = max(2, self.steps // WARM_UP_ONE_IN)
         now = time.monotonic()
         if self._warm is None:
             if self.version >= warm_step:

@@ -23,7 +23,7 @@ from tfps.api.spec import ConsistencyMode, TrainingSpec, WireDtype
 
 from . import wire
 from .client import ShardClient, step_on_data_paths
-from .metrics import WorkerMetrics
+from .metrics import WARM_UP_ONE_IN, WorkerMetrics
 from .models import BatchSource, ModelDef
 from .sharding import Placement, place, route_rows
 from .zerocopy import as_tensor
@@ -442,7 +442,7 @@ class Worker:
 
     def step_summary(self) -> dict | None:
         """This worker's step times after the first tenth of its steps (start-up, tracing)."""
-        times = self.step_times[max(2, len(self.step_times) // 10):]
+        times = self.step_times[max(2, len(self.step_times) // WARM_UP_ONE_IN):]
         if not times:
             return None
         return {"steps": len(times), "median": float(np.median(times)), "max": float(np.max(times))}

@@ -41,13 +41,13 @@ def test_steps_count_ps_versions():
 
 @pytest.mark.parametrize("seconds, warmup", [(10.0, 3.0), (15.0, 3.0), (3.0, 1.0), (60.0, 2.0)])
 def test_a_tfps_run_warms_up_as_long_as_the_anchors_before_its_window(seconds, warmup):
-    from tfps.runtime.ps import RATE_SKIPS_ONE_IN
+    from tfps.runtime.metrics import WARM_UP_ONE_IN
 
     rate = 1000.0
     run = tfps_side.examples_for(rate, {"seconds": seconds, "warmup_seconds": warmup}) / rate
     # tfps local's examples/s leaves out the first tenth of the run: that tenth is the warm-up
-    assert run / RATE_SKIPS_ONE_IN >= warmup
-    assert run * (1 - 1 / RATE_SKIPS_ONE_IN) >= seconds
+    assert run / WARM_UP_ONE_IN >= warmup
+    assert run * (1 - 1 / WARM_UP_ONE_IN) >= seconds
 
 
 def test_goodput_model_has_the_asked_size():
