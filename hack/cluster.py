@@ -15,13 +15,14 @@ State folder ($TFPS_STATE, default <repo>/.tfps):
   kubeconfig     admin kubeconfig (system:masters)
   etcd/          etcd data (wiped whenever `up` finds etcd stopped: the cluster lives as long as its processes;
                  `restart etcd` keeps it, like a real control-plane restart)
-  pids/          one pid file per component
+  pids/          one pid file per component (the pid of its supervisor, hack/supervise.py)
   logs/          one log per component
   node/          the node's configuration files and kubeconfigs
 """
 from __future__ import annotations
 
 import argparse
+import calendar
 import contextlib
 import fcntl
 import json
@@ -44,6 +45,9 @@ import node  # noqa: E402  (hack/node.py, beside this file)
 log = logging.getLogger("tfps.cluster")
 
 REPO = Path(__file__).resolve().parent.parent
+# Every component runs under hack/supervise.py, which starts it again when it exits (systemd's job on
+# a real machine); the pid files record the supervisors.
+SUPERVISE = Path(__file__).resolve().parent / "supervise.py"
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 NODE = ("containerd", "kubelet", "kube-proxy", "coredns", "kube-router")
 COMPONENTS = CONTROL_PLANE + NODE
@@ -199,6 +203,13 @@ def proc_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def recorded_pid(p: Paths, comp: str) -> int | None:
     """The component's pid if the process we recorded is still the one running."""
     try:
@@ -229,8 +240,9 @@ def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
     with open(p.logfile(comp), "ab") as out:
         out.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} start {' '.join(argv)}\n".encode())
         out.flush()
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env, cwd=p.root)
+        proc = subprocess.Popen([sys.executable, str(SUPERVISE), comp, "--", *argv], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                cwd=p.root)
     p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid), "argv": argv}))
     log.info("started %s pid=%d log=%s", comp, proc.pid, p.logfile(comp))
     return proc.pid
@@ -262,10 +274,11 @@ def stop(p: Paths, comp: str, timeout: float = 15.0) -> None:
         time.sleep(0.1)
     if recorded_pid(p, comp) is not None:
         log.warning("%s did not stop in %.0fs: SIGKILL", comp, timeout)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for victim in (pid, *children(pid)):  # the supervisor first, so it starts nothing new
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         while recorded_pid(p, comp) is not None:
             time.sleep(0.1)
     p.pidfile(comp).unlink(missing_ok=True)
@@ -497,12 +510,16 @@ def default_sa_exists(p: Paths, url: str) -> bool:
     return code == 200
 
 
-def node_ready(p: Paths, url: str) -> bool:
+def node_ready(p: Paths, url: str, since: float = 0.0) -> bool:
+    """The node is Ready, by a status the kubelet posted at or after `since` (epoch seconds) when given."""
     code, body = api_call(p, url, f"/api/v1/nodes/{NODE_NAME}")
     if code != 200:
         return False
     status = json.loads(body).get("status", {})
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", []))
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               and calendar.timegm(time.strptime(c.get("lastHeartbeatTime", "1970-01-01T00:00:00Z"),
+                                                 "%Y-%m-%dT%H:%M:%SZ")) >= int(since)
+               for c in status.get("conditions", []))
 
 
 def advertise_extended_resources(p: Paths, url: str) -> None:
@@ -740,6 +757,7 @@ def restart(p: Paths, comps: list[str]) -> list[str]:
     if not info or not p.kubeconfig.exists():
         raise SystemExit("no cluster recorded in this state folder: run `hack/cluster.sh up` first")
     order = [c for c in COMPONENTS if c in comps]
+    t0 = time.time()
     for comp in reversed(order):
         stop(p, comp)
     url = info["apiserver_url"]
@@ -752,7 +770,8 @@ def restart(p: Paths, comps: list[str]) -> list[str]:
         elif comp == "containerd":
             wait_for("containerd", containerd_ready, 60, comp, p)
         elif comp == "kubelet":
-            wait_for("the kubelet's /healthz", lambda: http_ok("http://127.0.0.1:10248/healthz"), 60, comp, p)
+            wait_for(f"node {NODE_NAME} Ready, posted by the new kubelet", lambda: node_ready(p, url, since=t0), 120,
+                     comp, p)
     log.info("restarted %s", ", ".join(order))
     return order
 

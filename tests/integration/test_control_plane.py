@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,19 @@ def test_cluster_sh_up_reuses_a_healthy_cluster(cluster):
         assert (cluster.state_dir / "logs" / f"{comp}.log").stat().st_size > 0
     exports = subprocess.run([cluster_sh, "env"], env=env, capture_output=True, text=True, check=True).stdout
     assert f"export KUBECONFIG={cluster.kubeconfig}" in exports
+
+
+def test_a_killed_kubelet_is_started_again_and_the_node_stays_ready(cluster):
+    """SIGKILL the node's kubelet process: its supervisor (hack/supervise.py, systemd's part on a
+    real machine) starts it again, and the new kubelet reports the node Ready."""
+    hc, p = cluster.hack, cluster.hack.Paths(cluster.state_dir)
+    supervisor = hc.recorded_pid(p, "kubelet")
+    (kubelet,) = hc.children(supervisor)
+    killed_at = time.time()
+    os.kill(kubelet, signal.SIGKILL)
+    wait_for("a new kubelet process", lambda: [c for c in hc.children(supervisor) if c != kubelet], timeout=30,
+             interval=0.2)
+    wait_for("the node Ready, reported by the new kubelet",
+             lambda: hc.node_ready(p, cluster.apiserver_url, since=killed_at), timeout=120, interval=1)
+    assert hc.recorded_pid(p, "kubelet") == supervisor
+    assert "kubelet: killed by SIGKILL; starting it again" in cluster.kubelet_log_tail(400)

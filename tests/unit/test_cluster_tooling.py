@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,44 @@ def test_restart_is_a_command_that_takes_components(tmp_path):
     assert out.returncode != 0 and "no cluster recorded" in out.stderr
     out = subprocess.run([sys.executable, str(Path(hc.__file__)), "restart", "nonsense"], capture_output=True, text=True)
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def _component_pid(p: hc.Paths, comp: str, not_pid: int | None = None, timeout: float = 10.0) -> int:
+    """The component's own process: the one child of its supervisor (other than `not_pid`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kids = [c for c in hc.children(hc.recorded_pid(p, comp) or 0) if c != not_pid]
+        if kids:
+            return kids[0]
+        time.sleep(0.05)
+    raise AssertionError(f"{comp} has no running process; log:\n{hc.tail(p.logfile(comp))}")
+
+
+def test_a_component_that_dies_is_started_again_and_a_stopped_one_is_not(tmp_path):
+    """A real process stands in for a component (`sleep`): killed, its supervisor starts it again,
+    as systemd does for the kubelet; `stop` ends both."""
+    p = hc.Paths(tmp_path)
+    hc.spawn(p, "kubelet", ["sleep", "300"])
+    first = _component_pid(p, "kubelet")
+    os.kill(first, signal.SIGKILL)
+    second = _component_pid(p, "kubelet", not_pid=first)
+    assert hc.recorded_pid(p, "kubelet") is not None
+    assert "kubelet: killed by SIGKILL; starting it again" in p.logfile("kubelet").read_text()
+    supervisor = hc.recorded_pid(p, "kubelet")
+    hc.stop(p, "kubelet", timeout=5)
+    assert hc.recorded_pid(p, "kubelet") is None and not p.pidfile("kubelet").exists()
+    assert hc.proc_start_ticks(second) is None and hc.proc_start_ticks(supervisor) is None
+
+
+def test_a_component_that_keeps_failing_is_given_up_on(tmp_path):
+    p = hc.Paths(tmp_path)
+    hc.spawn(p, "kube-proxy", ["false"])
+    deadline = time.monotonic() + 30
+    while hc.recorded_pid(p, "kube-proxy") is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hc.recorded_pid(p, "kube-proxy") is None, "the supervisor still runs"
+    log = p.logfile("kube-proxy").read_text()
+    assert log.count("exit code 1; starting it again") == 5 and "6 starts within 60s: giving up" in log
 
 
 def test_kwok_addresses_stay_inside_the_clusters_own_block_and_off_the_real_node():
