@@ -522,6 +522,18 @@ def node_ready(p: Paths, url: str, since: float = 0.0) -> bool:
                for c in status.get("conditions", []))
 
 
+def node_summary(p: Paths, url: str) -> str:
+    """The node as the API shows it: its Ready condition and its taints (the scheduler's reasons)."""
+    code, body = api_call(p, url, f"/api/v1/nodes/{NODE_NAME}")
+    if code != 200:
+        return f"node {NODE_NAME}: not readable (HTTP {code or 'no answer'})"
+    node_obj = json.loads(body)
+    ready = next((c for c in node_obj.get("status", {}).get("conditions", []) if c.get("type") == "Ready"), {})
+    taints = [f"{t.get('key')}:{t.get('effect')}" for t in node_obj.get("spec", {}).get("taints") or []]
+    return (f"node {NODE_NAME}: Ready={ready.get('status', '?')} ({ready.get('reason', '')}, last heartbeat "
+            f"{ready.get('lastHeartbeatTime', '?')}), taints: {', '.join(taints) or 'none'}")
+
+
 def advertise_extended_resources(p: Paths, url: str) -> None:
     patch = [{"op": "add", "path": f"/status/capacity/{name.replace('/', '~1')}", "value": value}
              for name, value in node.EXTENDED_RESOURCES.items()]
@@ -802,6 +814,8 @@ def status(p: Paths) -> int:
         code = api_call(p, info["apiserver_url"], "/readyz")[0] if recorded_pid(p, "kube-apiserver") else 0
         print(f"{'apiserver':25} {info['apiserver_url']} readyz={code or 'unreachable'}")
         ok &= code == 200
+        if code == 200:
+            print(f"{'node':25} {node_summary(p, info['apiserver_url']).split(': ', 1)[1]}")
     print(f"{'kubeconfig':25} {p.kubeconfig}")
     print(f"{'logs':25} {p.logs}")
     return 0 if ok else 1

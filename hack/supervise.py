@@ -4,22 +4,24 @@ kubelet, for a static pod) does on a real machine. The kubelet counts on it: it 
 a start-up step fails ("rely on the babysitter to retry starting kubelet"), e.g. when cAdvisor has
 no figures yet for the root filesystem right after a restart.
 
-Usage: supervise.py NAME -- ARGV...
+Usage: supervise.py NAME [--first-delay SECONDS] -- ARGV...
 
 SIGTERM or SIGINT is passed on to the component, and the supervisor ends when the component does.
-A component that exits more than START_LIMIT times within START_WINDOW seconds is given up on: the
+The delay before a new start doubles with each start in the last START_WINDOW seconds (1, 2, 4, 8,
+then 10 s), and a component that exits more than START_LIMIT times within them is given up on: the
 supervisor ends, so `hack/cluster.sh status`/`up` see it stopped. Lines about restarts go to stdout,
 the component's log. Standard library only.
 """
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
 import time
 
-RESTART_DELAY = 1.0  # systemd's RestartSec
-START_LIMIT, START_WINDOW = 5, 60.0  # systemd's StartLimitBurst, StartLimitIntervalSec
+FIRST_DELAY, MAX_DELAY = 1.0, 10.0  # kubeadm's kubelet unit waits 10 s (RestartSec) every time
+START_LIMIT, START_WINDOW = 5, 120.0  # systemd's StartLimitBurst, StartLimitIntervalSec
 
 
 def say(name: str, message: str) -> None:
@@ -32,10 +34,14 @@ def exit_text(rc: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--":
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
-        return 2
-    name, cmd = argv[0], argv[2:]
+    ap = argparse.ArgumentParser(prog="supervise.py", usage="%(prog)s NAME [--first-delay SECONDS] -- ARGV...",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("name")
+    ap.add_argument("--first-delay", type=float, default=FIRST_DELAY, help="seconds before the first new start")
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, cmd = ap.parse_args(argv[:split]), argv[split + 1:]
+    if not cmd:
+        ap.error("no command given after --")
     stopping = False
     child: subprocess.Popen | None = None
 
@@ -57,10 +63,11 @@ def main(argv: list[str]) -> int:
         if stopping:
             return 0
         if len(starts) > START_LIMIT:
-            say(name, f"{exit_text(rc)}; {len(starts)} starts within {START_WINDOW:.0f}s: giving up")
+            say(args.name, f"{exit_text(rc)}; {len(starts)} starts within {START_WINDOW:.0f}s: giving up")
             return 1
-        say(name, f"{exit_text(rc)}; starting it again in {RESTART_DELAY:.0f}s")
-        time.sleep(RESTART_DELAY)
+        delay = min(MAX_DELAY, args.first_delay * 2 ** (len(starts) - 1))
+        say(args.name, f"{exit_text(rc)}; starting it again in {delay:g}s")
+        time.sleep(delay)
         if stopping:
             return 0
 

@@ -181,6 +181,29 @@ def namespace(cluster, request):
     cluster.delete_namespace(name)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used the cluster shows the node's state with its failure: whether it is
+    Ready and tainted, which components are down, the kubelet's last lines."""
+    report = (yield).get_result()
+    if report.failed and report.when in ("setup", "call") and "cluster" in item.fixturenames:
+        report.sections.append(("the cluster when the test failed", _cluster_state()))
+
+
+def _cluster_state() -> str:
+    hc = _hack_cluster()
+    p = hc.Paths(hc.state_dir())
+    try:
+        down = [c for c in hc.COMPONENTS if hc.recorded_pid(p, c) is None]
+        info = hc.load_info(p)
+        lines = [f"components down: {', '.join(down) or 'none'}"]
+        if info.get("apiserver_url"):
+            lines.append(hc.node_summary(p, info["apiserver_url"]))
+        return "\n".join([*lines, "kubelet log:", hc.tail(p.logfile("kubelet"), 15)])
+    except Exception as err:  # a report of the state must not hide the test's own failure
+        return f"could not read the cluster's state: {err!r}"
+
+
 # --- the reliability report (hack/reliability.py): figures the fault and bad-input tests leave ---
 
 _RELIABILITY = hack_module("reliability")
