@@ -120,6 +120,14 @@ static int unpack(PyObject *var, PyObject *s1, PyObject *s2, PyObject *rows, PyO
             PyErr_SetString(PyExc_ValueError, "a slot's shape differs from its table's");
             return -1;
         }
+    static const char *what[NBUFS] = {"the table", "the rows", "the gradient", "a slot", "another slot"};
+    for (int i = 0; i < NBUFS; i++) /* the loop's restrict pointers: no array overlaps another */
+        for (int j = i + 1; j < NBUFS; j++)
+            if (bufs[i].held && bufs[j].held && (char *)bufs[i].view.buf < (char *)bufs[j].view.buf + bufs[j].view.len &&
+                (char *)bufs[j].view.buf < (char *)bufs[i].view.buf + bufs[i].view.len) {
+                PyErr_Format(PyExc_ValueError, "%s overlaps %s", what[i], what[j]);
+                return -1;
+            }
     const int64_t *r = bufs[1].view.buf;
     if (rows_inside(r, k, shape[0]) < 0) return -1;
     *out = (Rows){bufs[0].view.buf, s1 ? bufs[3].view.buf : NULL, s2 ? bufs[4].view.buf : NULL, bufs[2].view.buf, r, k,
@@ -139,9 +147,10 @@ static inline void prefetch_row(const float *row, Py_ssize_t d) {
         if ((array) && (i) + AHEAD < r.k) prefetch_row(ROW(array, (i) + AHEAD), r.d); \
     } while (0)
 
-/* The loop every update shares: for each row i, `body` with w (the table's row), a and b (the
-   slots' rows, or NULL) and g (its gradient), the GIL released. */
-#define FOR_EACH_ROW(body)                                                        \
+/* The loop every update shares: for each row i, `call` with w (the table's row), a and b (the
+   slots' rows, or NULL) and g (its gradient), the GIL released. Each update's work on one row is
+   a function of its own, whose restrict arguments let the compiler vectorise it. */
+#define FOR_EACH_ROW(call)                                                        \
     Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < r.k; i++) {                 \
         PREFETCH(r.var, i);                                                       \
         PREFETCH(r.s1, i);                                                        \
@@ -150,9 +159,39 @@ static inline void prefetch_row(const float *row, Py_ssize_t d) {
         const float *g = GRAD(i);                                                 \
         (void)a;                                                                  \
         (void)b;                                                                  \
-        for (Py_ssize_t j = 0; j < r.d; j++) { body; }                           \
+        call;                                                                     \
     }                                                                             \
     Py_END_ALLOW_THREADS
+
+typedef float *restrict Out;
+typedef const float *restrict In;
+
+static inline void sgd_row(Out w, In g, Py_ssize_t d, float lr) {
+    for (Py_ssize_t j = 0; j < d; j++) w[j] -= g[j] * lr;
+}
+
+static inline void momentum_row(Out w, Out a, In g, Py_ssize_t d, float lr, float mu) {
+    for (Py_ssize_t j = 0; j < d; j++) {
+        a[j] = a[j] * mu + g[j];
+        w[j] -= a[j] * lr;
+    }
+}
+
+static inline void adam_row(Out w, Out a, Out b, In g, Py_ssize_t d, float b1, float b2, float rate, float eps) {
+    const float c1 = 1 - b1, c2 = 1 - b2;
+    for (Py_ssize_t j = 0; j < d; j++) {
+        a[j] = a[j] * b1 + g[j] * c1;
+        b[j] = b[j] * b2 + g[j] * g[j] * c2;
+        w[j] -= a[j] / (sqrtf(b[j]) + eps) * rate;
+    }
+}
+
+static inline void adagrad_row(Out w, Out a, In g, Py_ssize_t d, float lr, float eps) {
+    for (Py_ssize_t j = 0; j < d; j++) {
+        a[j] = g[j] * g[j] + a[j];
+        w[j] -= g[j] / (sqrtf(a[j]) + eps) * lr;
+    }
+}
 
 /* sgd(table, rows, grad, lr): w -= g*lr */
 static PyObject *sgd(PyObject *self, PyObject *args) {
@@ -162,7 +201,7 @@ static PyObject *sgd(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOf", &var, &rows, &grad, &lr)) return NULL;
     if (unpack(var, NULL, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    FOR_EACH_ROW(w[j] -= g[j] * lr);
+    FOR_EACH_ROW(sgd_row(w, g, r.d, lr));
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:
@@ -178,7 +217,7 @@ static PyObject *momentum(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOOff", &var, &acc, &rows, &grad, &lr, &mu)) return NULL;
     if (unpack(var, acc, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    FOR_EACH_ROW(a[j] = a[j] * mu + g[j]; w[j] -= a[j] * lr);
+    FOR_EACH_ROW(momentum_row(w, a, g, r.d, lr, mu));
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:
@@ -195,9 +234,7 @@ static PyObject *adam(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOOOffff", &var, &m, &v, &rows, &grad, &b1, &b2, &rate, &eps)) return NULL;
     if (unpack(var, m, v, rows, grad, bufs, &r) < 0) goto fail;
-    const float c1 = 1 - b1, c2 = 1 - b2;
-    FOR_EACH_ROW(a[j] = a[j] * b1 + g[j] * c1; b[j] = b[j] * b2 + g[j] * g[j] * c2;
-                 w[j] -= a[j] / (sqrtf(b[j]) + eps) * rate);
+    FOR_EACH_ROW(adam_row(w, a, b, g, r.d, b1, b2, rate, eps));
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:
@@ -213,7 +250,7 @@ static PyObject *adagrad(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOOff", &var, &acc, &rows, &grad, &lr, &eps)) return NULL;
     if (unpack(var, acc, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    FOR_EACH_ROW(a[j] = g[j] * g[j] + a[j]; w[j] -= g[j] / (sqrtf(a[j]) + eps) * lr);
+    FOR_EACH_ROW(adagrad_row(w, a, g, r.d, lr, eps));
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:

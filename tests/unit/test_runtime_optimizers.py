@@ -158,6 +158,9 @@ def test_the_row_kernels_refuse_arguments_that_do_not_fit_and_leave_the_table_as
     with pytest.raises(ValueError, match="shape differs"):
         _rows.adam(table, np.zeros((10, 4), np.float32), np.zeros((9, 4), np.float32), np.array([1], np.int64),
                    grad[:1], 0.9, 0.999, 0.1, 1e-7)
+    with pytest.raises(ValueError, match="the table overlaps a slot"):  # the kernels take them as restrict pointers
+        _rows.momentum(table, table, np.array([1], np.int64), grad[:1], 0.5, 0.9)
+    np.testing.assert_array_equal(table, np.ones((10, 4), np.float32))
 
 
 def test_the_dense_kernels_refuse_arrays_of_another_size_or_an_out_array_over_an_input():
