@@ -510,28 +510,32 @@ def default_sa_exists(p: Paths, url: str) -> bool:
     return code == 200
 
 
-def node_ready(p: Paths, url: str, since: float = 0.0) -> bool:
-    """The node is Ready, by a status the kubelet posted at or after `since` (epoch seconds) when given."""
+def ready_condition(p: Paths, url: str) -> tuple[int, dict, list[dict]]:
+    """The node's Ready condition and its taints as the API shows them, with the HTTP status of the
+    read (no condition and no taints when it failed)."""
     code, body = api_call(p, url, f"/api/v1/nodes/{NODE_NAME}")
     if code != 200:
-        return False
-    status = json.loads(body).get("status", {})
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               and calendar.timegm(time.strptime(c.get("lastHeartbeatTime", "1970-01-01T00:00:00Z"),
-                                                 "%Y-%m-%dT%H:%M:%SZ")) >= int(since)
-               for c in status.get("conditions", []))
+        return code, {}, []
+    node_obj = json.loads(body)
+    ready = next((c for c in node_obj.get("status", {}).get("conditions", []) if c.get("type") == "Ready"), {})
+    return code, ready, node_obj.get("spec", {}).get("taints") or []
+
+
+def node_ready(p: Paths, url: str, since: float = 0.0) -> bool:
+    """The node is Ready, by a status the kubelet posted at or after `since` (epoch seconds) when given."""
+    _, ready, _ = ready_condition(p, url)
+    return ready.get("status") == "True" and calendar.timegm(
+        time.strptime(ready.get("lastHeartbeatTime", "1970-01-01T00:00:00Z"), "%Y-%m-%dT%H:%M:%SZ")) >= int(since)
 
 
 def node_summary(p: Paths, url: str) -> str:
-    """The node as the API shows it: its Ready condition and its taints (the scheduler's reasons)."""
-    code, body = api_call(p, url, f"/api/v1/nodes/{NODE_NAME}")
+    """The node's Ready condition and its taints (the scheduler's reasons), in one line."""
+    code, ready, taints = ready_condition(p, url)
     if code != 200:
-        return f"node {NODE_NAME}: not readable (HTTP {code or 'no answer'})"
-    node_obj = json.loads(body)
-    ready = next((c for c in node_obj.get("status", {}).get("conditions", []) if c.get("type") == "Ready"), {})
-    taints = [f"{t.get('key')}:{t.get('effect')}" for t in node_obj.get("spec", {}).get("taints") or []]
-    return (f"node {NODE_NAME}: Ready={ready.get('status', '?')} ({ready.get('reason', '')}, last heartbeat "
-            f"{ready.get('lastHeartbeatTime', '?')}), taints: {', '.join(taints) or 'none'}")
+        return f"not readable (HTTP {code or 'no answer'})"
+    names = [f"{t.get('key')}:{t.get('effect')}" for t in taints]
+    return (f"Ready={ready.get('status', '?')} ({ready.get('reason', '')}, last heartbeat "
+            f"{ready.get('lastHeartbeatTime', '?')}), taints: {', '.join(names) or 'none'}")
 
 
 def advertise_extended_resources(p: Paths, url: str) -> None:
@@ -815,7 +819,7 @@ def status(p: Paths) -> int:
         print(f"{'apiserver':25} {info['apiserver_url']} readyz={code or 'unreachable'}")
         ok &= code == 200
         if code == 200:
-            print(f"{'node':25} {node_summary(p, info['apiserver_url']).split(': ', 1)[1]}")
+            print(f"{'node':25} {node_summary(p, info['apiserver_url'])}")
     print(f"{'kubeconfig':25} {p.kubeconfig}")
     print(f"{'logs':25} {p.logs}")
     return 0 if ok else 1

@@ -92,6 +92,12 @@ static int rows_inside(const int64_t *r, Py_ssize_t k, Py_ssize_t n) {
     return 0;
 }
 
+/* Whether two buffers share any byte (the kernels take their arrays as restrict pointers). */
+static int overlap(const Buf *x, const Buf *y) {
+    return (const char *)x->view.buf < (const char *)y->view.buf + y->view.len &&
+           (const char *)y->view.buf < (const char *)x->view.buf + x->view.len;
+}
+
 /* An update's arguments: a table (n x d, written), up to two slots of its shape (written),
    k rows (each at most once) and their gradients (k x d). */
 typedef struct {
@@ -123,8 +129,7 @@ static int unpack(PyObject *var, PyObject *s1, PyObject *s2, PyObject *rows, PyO
     static const char *what[NBUFS] = {"the table", "the rows", "the gradient", "a slot", "another slot"};
     for (int i = 0; i < NBUFS; i++) /* the loop's restrict pointers: no array overlaps another */
         for (int j = i + 1; j < NBUFS; j++)
-            if (bufs[i].held && bufs[j].held && (char *)bufs[i].view.buf < (char *)bufs[j].view.buf + bufs[j].view.len &&
-                (char *)bufs[j].view.buf < (char *)bufs[i].view.buf + bufs[i].view.len) {
+            if (bufs[i].held && bufs[j].held && overlap(&bufs[i], &bufs[j])) {
                 PyErr_Format(PyExc_ValueError, "%s overlaps %s", what[i], what[j]);
                 return -1;
             }
@@ -286,8 +291,7 @@ static int unpack_dense(PyObject **objs, int nobjs, Buf *bufs, Dense *d) {
     }
     for (int i = 0; i < nobjs; i++) /* the loop's restrict pointers: no out array overlaps another array */
         for (int k = 0; k < nobjs; k++)
-            if (writable[i] && k != i && (char *)p[i] < (char *)p[k] + bufs[k].view.len &&
-                (char *)p[k] < (char *)p[i] + bufs[i].view.len) {
+            if (writable[i] && k != i && overlap(&bufs[i], &bufs[k])) {
                 PyErr_Format(PyExc_ValueError, "%s overlaps %s: a dense update writes to fresh arrays", what[i], what[k]);
                 return -1;
             }

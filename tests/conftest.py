@@ -198,7 +198,7 @@ def _cluster_state() -> str:
         info = hc.load_info(p)
         lines = [f"components down: {', '.join(down) or 'none'}"]
         if info.get("apiserver_url"):
-            lines.append(hc.node_summary(p, info["apiserver_url"]))
+            lines.append(f"node {hc.NODE_NAME}: {hc.node_summary(p, info['apiserver_url'])}")
         return "\n".join([*lines, "kubelet log:", hc.tail(p.logfile("kubelet"), 15)])
     except Exception as err:  # a report of the state must not hide the test's own failure
         return f"could not read the cluster's state: {err!r}"
