@@ -289,6 +289,7 @@ class DataConnection:
 
     def __init__(self, host: str, port: int, material: Material | None, timeout: float):
         self._buffers = ReplyBuffers()
+        self.awaiting = 0  # replies to messages sent (`send`) not read yet (`receive`)
         raw = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -304,14 +305,18 @@ class DataConnection:
 
     def call(self, pieces: list) -> wire.Message:
         """Send one message (its pieces) and return the reply; DataPathError when refused."""
+        if self.awaiting:  # its reply would be the one read
+            raise RuntimeError("a reply to an earlier message is still to be read on this connection")
         self.send(pieces)
         return self.receive()
 
     def send(self, pieces: list) -> None:
         send_frame(self.sock, pieces)
+        self.awaiting += 1
 
     def receive(self) -> wire.Message:
         """The reply to the message sent last; DataPathError when it was refused."""
+        self.awaiting -= 1
         size = recv_length(self.sock)
         if size is None:
             raise ConnectionError("the PS closed the connection")

@@ -455,9 +455,7 @@ def _finite(arr: np.ndarray) -> bool:
     if wire.dtype_name(arr.dtype) == "bfloat16":
         # NaN and Inf are the values whose 8 exponent bits are all set
         return not np.any((arr.view(np.uint16) & _BF16_EXPONENT) == _BF16_EXPONENT)
-    # A sum is NaN/Inf when any element is (or when it overflows, itself a sign of a broken
-    # gradient), at a fraction of the cost of an elementwise check.
-    return math.isfinite(float(np.add.reduce(arr, axis=None)))
+    return _rows.finite(arr)
 
 
 def _size(out: bytes | list) -> int:

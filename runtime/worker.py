@@ -22,7 +22,7 @@ from tfps.api.settings import ProcessSettings
 from tfps.api.spec import ConsistencyMode, TrainingSpec, WireDtype
 
 from . import wire
-from .client import ShardClient, step_on_data_paths
+from .client import SentSteps, ShardClient
 from .metrics import WARM_UP_ONE_IN, WorkerMetrics
 from .models import BatchSource, ModelDef
 from .sharding import Placement, place, route_rows
@@ -150,6 +150,18 @@ def _aligned_concat(pieces: list[np.ndarray]) -> np.ndarray:
 
 
 @dataclass
+class _InFlight:
+    """A Step sent to every shard, its replies still to be read (`Worker._finish`)."""
+
+    started: float
+    tags: list[int]
+    metas: list[dict]
+    tensors: list[dict]
+    row_requests: list[dict]
+    sent: SentSteps
+
+
+@dataclass
 class _Reply:
     version: int
     done: bool
@@ -222,7 +234,11 @@ class Worker:
     def _call_all(self, metas: list[dict], tensors: list[dict]) -> list[_Reply]:
         """One Step to every shard: over their data connections at once, the rest in parallel."""
         metas = [{"worker": self.index, "workers": self.num_workers, **meta} for meta in metas]
-        msgs = step_on_data_paths(self.clients, list(zip(metas, tensors, strict=True)))
+        return self._complete(SentSteps(self.clients, list(zip(metas, tensors, strict=True))).replies(), metas, tensors)
+
+    def _complete(self, msgs: list[wire.Message | None], metas: list[dict], tensors: list[dict]) -> list[_Reply]:
+        """The replies of a Step to every shard: those the data paths did not bring, asked for again
+        through each shard's client (gRPC, retries), in parallel."""
         missing = [k for k, msg in enumerate(msgs) if msg is None]
         for k, msg in zip(missing, self._map(lambda k: self.clients[k].step(metas[k], tensors[k], self._large[k]), [(k,) for k in missing]),
                           strict=True):
@@ -332,17 +348,25 @@ class Worker:
         self.metrics.compute_seconds.observe(time.perf_counter() - t0)
         return loss, grads, routes, len(y)
 
-    def _exchange(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict]) -> list[_Reply]:
-        """Push to every shard in parallel; each reply carries the next parameters. In async
-        and bounded mode each push carries its sequence number, so that a retry whose first
-        try was applied is not applied twice."""
+    def _send(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict]) -> _InFlight:
+        """Push to every shard; the replies (`_finish`) carry the next parameters. In async and
+        bounded mode each push carries its sequence number, so that a retry whose first try was
+        applied is not applied twice."""
         t0 = time.perf_counter()
         seqs = None if self.mode is ConsistencyMode.SYNC else list(self.shard_clocks)
-        replies = self._call_all([{**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})} for k in range(len(self.clients))],
-                                 [{**shard_tensors[k], **row_requests[k]} for k in range(len(self.clients))])
-        replies = self._absorb(replies, tags, row_requests)
-        self.metrics.push_seconds.observe(time.perf_counter() - t0)
+        metas = [{"worker": self.index, "workers": self.num_workers, **meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})}
+                 for k in range(len(self.clients))]
+        tensors = [{**shard_tensors[k], **row_requests[k]} for k in range(len(self.clients))]
+        return _InFlight(t0, tags, metas, tensors, row_requests, SentSteps(self.clients, list(zip(metas, tensors, strict=True))))
+
+    def _finish(self, inflight: _InFlight) -> list[_Reply]:
+        replies = self._complete(inflight.sent.replies(), inflight.metas, inflight.tensors)
+        replies = self._absorb(replies, inflight.tags, inflight.row_requests)
+        self.metrics.push_seconds.observe(time.perf_counter() - inflight.started)
         return replies
+
+    def _exchange(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict]) -> list[_Reply]:
+        return self._finish(self._send(tags, shard_tensors, meta, row_requests))
 
     def _count(self, loss: float, batch: int, t_step: float) -> None:
         self.last_loss = loss
@@ -370,44 +394,39 @@ class Worker:
         self._count(loss, batch, t_step)
 
     def _run_pipelined(self) -> None:
-        """Async and bounded modes: push step k's gradients while computing step k+1's on the
-        parameters at hand (one step more staleness, communication hidden behind compute).
-        With embedding tables, push k asks for the rows of batch k+2, the first one computed
-        after its reply is in; the rows of the first two batches are pulled before."""
-        comm = futures.ThreadPoolExecutor(1, thread_name_prefix="exchange")
-        inflight = None  # (the exchange, the data step whose rows it brings, their routes)
+        """Async and bounded modes: step k's gradients go to the PS, then step k+1's are computed
+        on the parameters at hand while the PS work, then step k's replies are read (one step
+        more staleness, communication hidden behind compute). With embedding tables, push k asks
+        for the rows of batch k+2, the first one computed after its reply is in; the rows of the
+        first two batches are pulled before."""
+        inflight = None  # (the exchange sent, the data step whose rows it brings, their routes)
         step = self.clock
         ahead: dict[int, dict[str, np.ndarray]] = {}
         if self.sparse:
             for data_step in (step, step + 1):
                 _, _, requests, routes = self._batch_plan(data_step)
                 ahead[data_step] = self._rows_from(self._pull_rows(requests), routes)
-        try:
-            while not self.done:
-                t_step = time.perf_counter()
-                tags = list(self.versions)
+        while not self.done:
+            t_step = time.perf_counter()
+            tags = list(self.versions)
+            if self.sparse:
+                self.rows, self._rows_step = ahead.pop(step), step
+            loss, grads, routes, batch = self._compute(step)
+            if inflight is not None:
+                sent, rows_step, rows_routes = inflight
+                replies = self._finish(sent)
+                self._update_state(replies)
                 if self.sparse:
-                    self.rows, self._rows_step = ahead.pop(step), step
-                loss, grads, routes, batch = self._compute(step)
-                if inflight is not None:
-                    exchange, rows_step, rows_routes = inflight
-                    replies = exchange.result()
-                    self._update_state(replies)
-                    if self.sparse:
-                        ahead[rows_step] = self._rows_from(replies, rows_routes)
-                    if self.done:
-                        break
-                requests, routes_ahead = [dict() for _ in self.clients], {}
-                if self.sparse:
-                    _, _, requests, routes_ahead = self._batch_plan(step + 2)
-                inflight = (comm.submit(self._exchange, tags, self._split_grads(grads, routes),
-                                        {"pull": True, "batch": batch, "loss": loss}, requests), step + 2, routes_ahead)
-                step += 1
-                self._count(loss, batch, t_step)
-            if inflight is not None and not self.done:
-                self._update_state(inflight[0].result())
-        finally:
-            comm.shutdown(wait=True)
+                    ahead[rows_step] = self._rows_from(replies, rows_routes)
+                if self.done:
+                    break
+            requests, routes_ahead = [dict() for _ in self.clients], {}
+            if self.sparse:
+                _, _, requests, routes_ahead = self._batch_plan(step + 2)
+            inflight = (self._send(tags, self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, requests),
+                        step + 2, routes_ahead)
+            step += 1
+            self._count(loss, batch, t_step)
 
     def _split_grads(self, grads: dict[str, np.ndarray], routes: dict) -> list[dict]:
         out = [dict() for _ in self.clients]

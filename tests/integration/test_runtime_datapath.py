@@ -210,3 +210,31 @@ def test_a_step_whose_data_connection_breaks_is_made_again_and_applied_once():
             assert [s.version for s in cluster.shards] == [v + 2 for v in versions]
         finally:
             worker.close()
+
+
+def test_a_push_whose_connection_breaks_before_its_reply_is_read_is_made_again_and_applied_once():
+    """A pipelined worker sends a step's push, computes its next gradients, and only then reads
+    the replies (Worker._send, Worker._finish). When a PS's connection breaks in between, after
+    the PS applied the push, the request goes again through the client's retrying path: the PS
+    recognises the retried push and applies it once. No other message may use a connection
+    while a reply on it is still to be read."""
+    training = TrainingSpec.model_validate({**TRAINING.model_dump(by_alias=True), "steps": 100})
+    with InProcessCluster(training, num_ps=2, num_workers=1) as cluster:
+        worker = _train_steps(cluster, 0, steps=2)
+        try:
+            versions = [s.version for s in cluster.shards]
+            loss, grads, routes, batch = worker._compute(worker.clock)
+            sent = worker._send(list(worker.versions), worker._split_grads(grads, routes),
+                                {"pull": True, "batch": batch, "loss": loss}, [{} for _ in worker.clients])
+            with pytest.raises(RuntimeError, match="still to be read"):
+                worker.clients[0]._data.call(wire.pieces({"tag": -1, "pull": True}, {}))
+            wait_for("both PS to apply the push", lambda: [s.version for s in cluster.shards] == [v + 1 for v in versions], timeout=10)
+            broken = worker.clients[1]._data
+            broken.sock.close()  # the reply, sent, is never read
+            worker._update_state(worker._finish(sent))
+            assert [s.version for s in cluster.shards] == [v + 1 for v in versions]
+            assert worker.versions == [v + 1 for v in versions]
+            assert _sample(cluster.shards[1], "tfps_ps_duplicate_pushes_total", replica_index="1") == 1
+            assert worker.clients[1]._data is not None and worker.clients[1]._data is not broken
+        finally:
+            worker.close()

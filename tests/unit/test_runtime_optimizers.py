@@ -205,3 +205,19 @@ def test_take_copies_the_rows_asked_for_as_numpy_does_and_refuses_rows_outside()
         _rows.take(table, np.array([3, 1000], np.int64), np.empty((2, 16), np.float32))
     with pytest.raises(ValueError, match="for 2 rows"):
         _rows.take(table, np.array([3, 4], np.int64), np.empty((3, 16), np.float32))
+
+
+@pytest.mark.parametrize("size", [1, 1000, 200_000])  # the largest is checked with the GIL released
+def test_finite_finds_any_nan_or_inf_and_passes_the_largest_finite_floats(size):
+    values = np.full(size, np.finfo(np.float32).max, np.float32)
+    values[::2] = -np.finfo(np.float32).tiny
+    assert _rows.finite(values) is True
+    assert _rows.finite(values.reshape(size, 1)) is True
+    for bad in (np.nan, np.inf, -np.inf):
+        for where in (0, size // 2, size - 1):
+            broken = values.copy()
+            broken[where] = bad
+            assert _rows.finite(broken) is False, (bad, where)
+    assert _rows.finite(np.zeros(0, np.float32)) is True
+    with pytest.raises(TypeError, match="float32"):
+        _rows.finite(np.zeros(3))
