@@ -1,5 +1,6 @@
-/* A PS's update kernels: the checks of a request (its rows, its gradients free of NaN and Inf), the
-   rows it touches, and the dense updates, each one pass in C.
+/* A PS's update kernels: the checks of a request (its rows; its gradients free of NaN and Inf),
+   the optimizer updates of the embedding rows it touches, and the dense updates, each one pass
+   in C.
 
    In NumPy an update of k rows is a gather of the rows (and of each slot's rows), several
    whole-array passes over the gathered copies and a scatter back, with a return to the
