@@ -269,21 +269,28 @@ fail:
 /* A dense update's arguments: n floats each of the variable, its slots (up to two) and the
    gradient, read; and of the new variable and new slots, written. A dense update leaves the
    arrays it is given as they were (a reply or a checkpoint may be reading them), so it writes
-   its results to fresh arrays, in the same one pass. */
+   its results to fresh arrays, in the same one pass. The gradient it applies is
+   (grad + plus) * scale: a sync step's mean made in the same pass (the sum of the other
+   workers' gradients, the last one's, 1/n), or grad * 1 when there is no `plus`. */
 typedef struct {
-    const float *var, *s1, *s2, *grad;
+    const float *var, *s1, *s2, *grad, *plus;
     float *out, *o1, *o2;
     Py_ssize_t n;
+    float scale;
 } Dense;
 
-#define NDENSE 7
+#define NDENSE 8
+#define PLUS 7 /* objs[PLUS]: the optional second gradient */
 
-/* objs: the variable, the gradient, the new variable, then each slot and its new array. */
+/* objs: the variable, the gradient, the new variable, each slot and its new array, then the
+   second gradient (NULL or None: none); nobjs counts those up to the last slot's. */
 static int unpack_dense(PyObject **objs, int nobjs, Buf *bufs, Dense *d) {
-    static const char *what[NDENSE] = {"variable", "gradient", "out", "slot", "slot out", "slot", "slot out"};
-    static const int writable[NDENSE] = {0, 0, 1, 0, 1, 0, 1};
+    static const char *what[NDENSE] = {"variable", "gradient", "out", "slot", "slot out", "slot", "slot out", "second gradient"};
+    static const int writable[NDENSE] = {0, 0, 1, 0, 1, 0, 1, 0};
     float *p[NDENSE] = {0};
-    for (int i = 0; i < nobjs; i++) {
+    if (objs[PLUS] == Py_None) objs[PLUS] = NULL;
+    for (int i = 0; i < NDENSE; i++) {
+        if (i >= nobjs && !(i == PLUS && objs[PLUS])) continue;
         if (get(objs[i], &bufs[i], "f", -1, writable[i], what[i]) < 0) return -1;
         if (bufs[i].view.len != bufs[0].view.len) {
             PyErr_Format(PyExc_ValueError, "%s of %zd floats for a variable of %zd", what[i],
@@ -292,34 +299,38 @@ static int unpack_dense(PyObject **objs, int nobjs, Buf *bufs, Dense *d) {
         }
         p[i] = bufs[i].view.buf;
     }
-    for (int i = 0; i < nobjs; i++) /* the loop's restrict pointers: no out array overlaps another array */
-        for (int k = 0; k < nobjs; k++)
-            if (writable[i] && k != i && overlap(&bufs[i], &bufs[k])) {
+    for (int i = 0; i < NDENSE; i++) /* the loop's restrict pointers: no out array overlaps another array */
+        for (int k = 0; k < NDENSE; k++)
+            if (writable[i] && bufs[i].held && bufs[k].held && k != i && overlap(&bufs[i], &bufs[k])) {
                 PyErr_Format(PyExc_ValueError, "%s overlaps %s: a dense update writes to fresh arrays", what[i], what[k]);
                 return -1;
             }
-    *d = (Dense){p[0], p[3], p[5], p[1], p[2], p[4], p[6], bufs[0].view.len / (Py_ssize_t)sizeof(float)};
+    *d = (Dense){p[0], p[3], p[5], p[1], p[PLUS], p[2], p[4], p[6], bufs[0].view.len / (Py_ssize_t)sizeof(float), d->scale};
     return 0;
 }
 
 /* Each dense loop is its row kernel's update (the same float operations), over every float,
    written to the out arrays; h holds the hyperparameters, in the Python call's order. */
 #define DENSE_POINTERS                                                                          \
-    const float *restrict w = d->var, *restrict g = d->grad, *restrict a1 = d->s1, *restrict a2 = d->s2; \
+    const float *restrict w = d->var, *restrict g0 = d->grad, *restrict a1 = d->s1, *restrict a2 = d->s2; \
+    const float *restrict g1 = d->plus, scale = d->scale;                                       \
     float *restrict out = d->out, *restrict n1 = d->o1, *restrict n2 = d->o2;                     \
     (void)a1, (void)a2, (void)n1, (void)n2
+
+/* The gradient of float j (the compiler makes one loop with `plus` and one without). */
+#define G(j) ((g1 ? g0[j] + g1[j] : g0[j]) * scale)
 
 static void sgd_loop(const Dense *d, const float *h) {
     const float lr = h[0];
     DENSE_POINTERS;
-    for (Py_ssize_t j = 0; j < d->n; j++) out[j] = w[j] - g[j] * lr;
+    for (Py_ssize_t j = 0; j < d->n; j++) out[j] = w[j] - G(j) * lr;
 }
 
 static void momentum_loop(const Dense *d, const float *h) {
     const float lr = h[0], mu = h[1];
     DENSE_POINTERS;
     for (Py_ssize_t j = 0; j < d->n; j++) {
-        float acc = a1[j] * mu + g[j];
+        float acc = a1[j] * mu + G(j);
         n1[j] = acc;
         out[j] = w[j] - acc * lr;
     }
@@ -329,7 +340,7 @@ static void adam_loop(const Dense *d, const float *h) {
     const float b1 = h[0], b2 = h[1], rate = h[2], eps = h[3], c1 = 1 - b1, c2 = 1 - b2;
     DENSE_POINTERS;
     for (Py_ssize_t j = 0; j < d->n; j++) {
-        float m = a1[j] * b1 + g[j] * c1, v = a2[j] * b2 + g[j] * g[j] * c2;
+        float g = G(j), m = a1[j] * b1 + g * c1, v = a2[j] * b2 + g * g * c2;
         n1[j] = m;
         n2[j] = v;
         out[j] = w[j] - m / (sqrtf(v) + eps) * rate;
@@ -340,15 +351,16 @@ static void adagrad_loop(const Dense *d, const float *h) {
     const float lr = h[0], eps = h[1];
     DENSE_POINTERS;
     for (Py_ssize_t j = 0; j < d->n; j++) {
-        float acc = g[j] * g[j] + a1[j];
+        float g = G(j), acc = g * g + a1[j];
         n1[j] = acc;
-        out[j] = w[j] - g[j] / (sqrtf(acc) + eps) * lr;
+        out[j] = w[j] - g / (sqrtf(acc) + eps) * lr;
     }
 }
 
-static PyObject *run_dense(PyObject **objs, int nobjs, void (*loop)(const Dense *, const float *), const float *h) {
+static PyObject *run_dense(PyObject **objs, int nobjs, void (*loop)(const Dense *, const float *), const float *h,
+                           float scale) {
     Buf bufs[NDENSE] = {0};
-    Dense d;
+    Dense d = {.scale = scale};
     if (unpack_dense(objs, nobjs, bufs, &d) < 0) {
         release(bufs, NDENSE);
         return NULL;
@@ -359,21 +371,23 @@ static PyObject *run_dense(PyObject **objs, int nobjs, void (*loop)(const Dense 
     Py_RETURN_NONE;
 }
 
+/* Every dense update ends with the optional (plus=None, scale=1.0). */
+
 /* dense_sgd(var, grad, out, lr) */
 static PyObject *dense_sgd(PyObject *self, PyObject *args) {
     PyObject *o[NDENSE] = {0};
-    float h[4];
-    if (!PyArg_ParseTuple(args, "OOOf", &o[0], &o[1], &o[2], &h[0])) return NULL;
-    return run_dense(o, 3, sgd_loop, h);
+    float h[4], scale = 1;
+    if (!PyArg_ParseTuple(args, "OOOf|Of", &o[0], &o[1], &o[2], &h[0], &o[PLUS], &scale)) return NULL;
+    return run_dense(o, 3, sgd_loop, h, scale);
 }
 
 /* The dense updates with one slot and two hyperparameters (momentum, adagrad):
    (var, grad, out, slot, slot_out, h0, h1). */
 static PyObject *one_slot(PyObject *args, void (*loop)(const Dense *, const float *)) {
     PyObject *o[NDENSE] = {0};
-    float h[4];
-    if (!PyArg_ParseTuple(args, "OOOOOff", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1])) return NULL;
-    return run_dense(o, 5, loop, h);
+    float h[4], scale = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOff|Of", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1], &o[PLUS], &scale)) return NULL;
+    return run_dense(o, 5, loop, h, scale);
 }
 
 /* dense_momentum(var, grad, out, accum, accum_out, lr, mu) */
@@ -382,10 +396,11 @@ static PyObject *dense_momentum(PyObject *self, PyObject *args) { return one_slo
 /* dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps) */
 static PyObject *dense_adam(PyObject *self, PyObject *args) {
     PyObject *o[NDENSE] = {0};
-    float h[4];
-    if (!PyArg_ParseTuple(args, "OOOOOOOffff", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &h[0], &h[1], &h[2], &h[3]))
+    float h[4], scale = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOOffff|Of", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &h[0], &h[1], &h[2], &h[3],
+                          &o[PLUS], &scale))
         return NULL;
-    return run_dense(o, 7, adam_loop, h);
+    return run_dense(o, 7, adam_loop, h, scale);
 }
 
 /* dense_adagrad(var, grad, out, accum, accum_out, lr, eps) */
@@ -452,10 +467,10 @@ static PyMethodDef methods[] = {
     {"momentum", momentum, METH_VARARGS, "momentum(table, accum, rows, grad, lr, mu)"},
     {"adam", adam, METH_VARARGS, "adam(table, m, v, rows, grad, b1, b2, rate, eps)"},
     {"adagrad", adagrad, METH_VARARGS, "adagrad(table, accum, rows, grad, lr, eps)"},
-    {"dense_sgd", dense_sgd, METH_VARARGS, "dense_sgd(var, grad, out, lr)"},
-    {"dense_momentum", dense_momentum, METH_VARARGS, "dense_momentum(var, grad, out, accum, accum_out, lr, mu)"},
-    {"dense_adam", dense_adam, METH_VARARGS, "dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps)"},
-    {"dense_adagrad", dense_adagrad, METH_VARARGS, "dense_adagrad(var, grad, out, accum, accum_out, lr, eps)"},
+    {"dense_sgd", dense_sgd, METH_VARARGS, "dense_sgd(var, grad, out, lr[, plus, scale])"},
+    {"dense_momentum", dense_momentum, METH_VARARGS, "dense_momentum(var, grad, out, accum, accum_out, lr, mu[, plus, scale])"},
+    {"dense_adam", dense_adam, METH_VARARGS, "dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps[, plus, scale])"},
+    {"dense_adagrad", dense_adagrad, METH_VARARGS, "dense_adagrad(var, grad, out, accum, accum_out, lr, eps[, plus, scale])"},
     {NULL, NULL, 0, NULL},
 };
 

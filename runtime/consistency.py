@@ -4,6 +4,8 @@ worker may get parameters back. runtime/ps.py applies what this decides.
 
 - sync: gradients tagged with the current version are summed; the step closes when every
   live worker has pushed, and the mean is applied once. A push for another version is stale.
+  The push that closes the step is not added to the sum: the optimizer adds it and divides
+  in its own pass over the variable (two passes fewer while every worker waits).
 - async: each push is applied on arrival, once (`seq` recognises a retried push).
 - bounded: async, and a worker more than `staleness` pushes ahead of the slowest live
   worker waits before it gets parameters back.
@@ -26,13 +28,15 @@ Sparse = dict[str, tuple[np.ndarray, np.ndarray]]
 
 @dataclass
 class Update:
-    """What to apply as one optimizer step."""
+    """What to apply as one optimizer step: each dense gradient is (dense + plus) * scale."""
 
     dense: dict[str, np.ndarray]
     sparse: Sparse
     examples: int
     loss: float | None
     staleness: int = 0
+    plus: dict[str, np.ndarray] = field(default_factory=dict)
+    scale: float = 1.0
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Consistency:
         """Empty the sync step's accumulators."""
         self.pushed: set[int] = set()
         self._acc: dict[str, np.ndarray] = {}
+        self._last: dict[str, np.ndarray] = {}  # the latest push's dense gradients, not in _acc yet
         self._sparse_acc: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._acc_loss: list[float] = []
         self._acc_examples = 0
@@ -102,13 +107,8 @@ class Consistency:
             return False
         if push.worker in self.pushed:
             return True  # a retried push of this step; counted once
-        for name, grad in push.dense.items():
-            acc = self._acc.get(name)
-            if acc is None:
-                acc = self._acc[name] = wire.aligned_array(grad.shape, np.float32)
-                acc[...] = grad
-            else:
-                np.add(acc, grad, out=acc)
+        self.keep_last()
+        self._last = dict(push.dense)
         for name, (idx, values) in push.sparse.items():
             self._sparse_acc.setdefault(name, []).append((idx.copy(), values.copy()))
         self.pushed.add(push.worker)
@@ -117,15 +117,35 @@ class Consistency:
             self._acc_loss.append(push.loss)
         return True
 
+    def keep_last(self) -> None:
+        """Add the latest push's dense gradients to the sum. They are views of its request, which
+        the PS reads again once that request is answered: call this before it is (a push that did
+        not close the step)."""
+        for name, grad in self._last.items():
+            acc = self._acc.get(name)
+            if acc is None:
+                acc = self._acc[name] = wire.aligned_array(grad.shape, np.float32)
+                acc[...] = grad
+            else:
+                np.add(acc, grad, out=acc)
+        self._last = {}
+
     def close_sync(self) -> Update | None:
-        """The sync step's mean, once every live worker has pushed; None before."""
+        """The sync step's mean, once every live worker has pushed; None before. Its dense part
+        is the sum of the earlier pushes plus the latest one's gradients, to be scaled by 1/n."""
         if not self.pushed or not set(self.live_workers()) <= self.pushed:
             return None
         scale = np.float32(1.0 / len(self.pushed))
-        dense = {k: np.multiply(v, scale, out=v) for k, v in self._acc.items()}
+        dense, plus = dict(self._acc), {}
+        for name, grad in self._last.items():
+            if name in dense:
+                plus[name] = grad
+            else:
+                dense[name] = grad
         sparse = {name: (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]) * scale)
                   for name, pieces in self._sparse_acc.items()}
-        update = Update(dense, sparse, self._acc_examples, float(np.mean(self._acc_loss)) if self._acc_loss else None)
+        update = Update(dense, sparse, self._acc_examples, float(np.mean(self._acc_loss)) if self._acc_loss else None,
+                        plus=plus, scale=float(scale))
         self.reset()
         return update
 

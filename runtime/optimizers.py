@@ -59,25 +59,25 @@ class ShardOptimizer:
     def _adam_rate(self, t: int) -> np.float32:
         return _F32(self.spec.learning_rate * np.sqrt(1 - self.spec.beta2 ** t) / (1 - self.spec.beta1 ** t))
 
-    def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int
-                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """One update with `grad`; `t` (1-based) counts this shard's updates (Adam's bias
-        correction). Returns the new variable and slots, written in one pass in C; the given
-        arrays are left as they were."""
-        if grad.dtype != np.float32:
-            grad = grad.astype(np.float32)  # bfloat16 off the wire
-        name, lr = self.name, self._lr
+    def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int,
+                    plus: np.ndarray | None = None, scale: float = 1.0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """One update with the gradient (grad + plus) * scale (a sync step's mean, made in the
+        same pass: the other workers' sum, the last worker's gradient, 1/n); `t` (1-based) counts
+        this shard's updates (Adam's bias correction). Returns the new variable and slots, written
+        in one pass in C; the given arrays are left as they were."""
+        grad, plus = (a if a is None or a.dtype == np.float32 else a.astype(np.float32) for a in (grad, plus))  # bfloat16 off the wire
+        name, lr, tail = self.name, self._lr, (plus, _F32(scale))
         new = np.empty_like(var)
         fresh = {s: np.empty_like(var) for s in SLOTS[name]}
         if name is OptimizerName.SGD:
-            _rows.dense_sgd(var, grad, new, lr)
+            _rows.dense_sgd(var, grad, new, lr, *tail)
         elif name is OptimizerName.MOMENTUM:
-            _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], lr, self._momentum)
+            _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], lr, self._momentum, *tail)
         elif name is OptimizerName.ADAM:
             _rows.dense_adam(var, grad, new, slots["m"], fresh["m"], slots["v"], fresh["v"],
-                             self._b1, self._b2, self._adam_rate(t), self._eps)
+                             self._b1, self._b2, self._adam_rate(t), self._eps, *tail)
         elif name is OptimizerName.ADAGRAD:
-            _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], lr, self._eps)
+            _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], lr, self._eps, *tail)
         else:  # pragma: no cover - the spec's enum is closed
             raise ValueError(name)
         return new, fresh

@@ -231,7 +231,8 @@ class Shard:
         t0 = time.perf_counter()
         t = self.version + 1
         for name, grad in update.dense.items():
-            self.vars[name], slots = self.optimizer.apply_dense(self.vars[name], self.slots[name], grad, t)
+            self.vars[name], slots = self.optimizer.apply_dense(self.vars[name], self.slots[name], grad, t,
+                                                                update.plus.get(name), update.scale)
             self.slots[name].update(slots)
         for name, (rows, values) in update.sparse.items():
             rows, values = sum_duplicates(rows, values)
@@ -285,6 +286,7 @@ class Shard:
             if not self.consistency.push_sync(req.push, self.version):
                 return target, True
             self._close_sync_step()
+            self.consistency.keep_last()  # when this push did not close the step
             return max(target, req.push.tag + 1), False
         # A sync worker waiting for a step its push never reached, or that this PS lost by
         # restarting (accumulated pushes are not checkpointed): stale, so it recomputes.

@@ -221,3 +221,22 @@ def test_finite_finds_any_nan_or_inf_and_passes_the_largest_finite_floats(size):
     assert _rows.finite(np.zeros(0, np.float32)) is True
     with pytest.raises(TypeError, match="float32"):
         _rows.finite(np.zeros(3))
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad"])
+def test_a_sync_mean_made_in_the_update_pass_is_bit_for_bit_numpys(name):
+    """A sync step's mean gradient (the others' sum plus the last push, times 1/n) is made inside
+    the dense kernel's pass: the same floats as adding and scaling first."""
+    _, opt, _, _ = _setup(name)
+    rng = np.random.default_rng(6)
+    var, pushes = rng.normal(size=(300, 17)).astype(np.float32), rng.normal(size=(3, 300, 17)).astype(np.float32)
+    slots = {s: opt.initial_slot(s, var.shape) for s in opt.slot_names()}
+    scale = np.float32(1 / 3)
+    others = pushes[0] + pushes[1]
+    new, new_slots = opt.apply_dense(var, slots, others, 4, plus=pushes[2], scale=float(scale))
+    expected, expected_slots = _numpy_update(name, opt, var, slots, (others + pushes[2]) * scale, 4)
+    np.testing.assert_array_equal(new, expected)
+    for s in new_slots:
+        np.testing.assert_array_equal(new_slots[s], expected_slots[s])
+    with pytest.raises(ValueError, match="second gradient of 5 floats"):
+        opt.apply_dense(var, slots, others, 4, plus=np.zeros(5, np.float32))
