@@ -155,8 +155,8 @@ class SentSteps:
                     except (OSError, ValueError):
                         client._drop_data()
 
-    def replies(self) -> list[wire.Message | None]:
-        """Each PS's reply; None for a PS with no open data connection, or whose connection failed:
+    def replies(self, place=None) -> list[wire.Message | None]:
+        """Each PS's reply (`place`: see DataConnection.receive); None for a PS with no open data connection, or whose connection failed:
         the caller makes that request again through `ShardClient.step`, with its retries (a push
         applied before its reply was lost is recognised by the PS: async pushes carry their
         sequence number, sync ones their tag)."""
@@ -168,7 +168,7 @@ class SentSteps:
                 if client._data is None:
                     continue
                 try:
-                    replies[k] = client._data.receive()
+                    replies[k] = client._data.receive(place)
                 except DataPathError as err:
                     client._drop_data()
                     if not _retryable(err):

@@ -314,22 +314,57 @@ class DataConnection:
         send_frame(self.sock, pieces)
         self.awaiting += 1
 
-    def receive(self) -> wire.Message:
-        """The reply to the message sent last; DataPathError when it was refused."""
+    def receive(self, place=None) -> wire.Message:
+        """The reply to the message sent last; DataPathError when it was refused. `place(name,
+        dtype, shape)` may give an array (C-contiguous, of that dtype and shape) to receive a
+        tensor straight into, or None to leave it in the reply's buffer."""
         self.awaiting -= 1
         size = recv_length(self.sock)
         if size is None:
             raise ConnectionError("the PS closed the connection")
         # The worker keeps views of a reply (parameters, embedding rows) and TensorFlow uses
         # them in place (runtime/zerocopy.py): a buffer is reused only once they are gone.
-        buf = self._buffers.take(size)
-        recv_exact(self.sock, memoryview(buf))
-        msg = wire.decode(memoryview(buf))
+        view = memoryview(self._buffers.take(size))
+        if place is None:
+            recv_exact(self.sock, view)
+            msg = wire.decode(view)
+        else:
+            msg = self._receive_placed(view, place)
         err = msg.meta.get("error")
         if err:
             code = getattr(grpc.StatusCode, str(err.get("code")), grpc.StatusCode.UNKNOWN)
             raise DataPathError(code, str(err.get("detail", err)))
         return msg
+
+    def _receive_placed(self, view: memoryview, place) -> wire.Message:
+        """A reply read header first, then each tensor that `place` wants straight into its array,
+        the rest (and the padding) into `view`."""
+        head = wire.HEADER_LENGTH.size
+        if len(view) < head:  # no room for a header: decode says so
+            recv_exact(self.sock, view)
+            return wire.decode(view)
+        recv_exact(self.sock, view[:head])
+        start = head + wire.HEADER_LENGTH.unpack_from(view)[0]
+        if start > len(view):
+            recv_exact(self.sock, view[head:])
+            return wire.decode(view)
+        recv_exact(self.sock, view[head:start])
+        meta, places = wire.header(view[:start], len(view))
+        tensors, done = {}, start  # bytes of the message read so far
+        for name, dt, shape, offset, nbytes in places:
+            dest = place(name, dt, shape) if nbytes else None
+            if dest is None:
+                continue
+            if offset > done:
+                recv_exact(self.sock, view[done:offset])
+            recv_exact(self.sock, memoryview(dest).cast("B"))
+            tensors[name], done = dest, offset + nbytes
+        if done < len(view):
+            recv_exact(self.sock, view[done:])
+        for name, dt, shape, offset, nbytes in places:
+            if name not in tensors:
+                tensors[name] = np.frombuffer(view, dt, nbytes // dt.itemsize, offset).reshape(shape)
+        return wire.Message(meta, tensors)
 
     def step(self, meta: dict, tensors: dict) -> wire.Message:
         return self.call(wire.pieces(meta, tensors))

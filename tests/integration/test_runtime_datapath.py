@@ -238,3 +238,21 @@ def test_a_push_whose_connection_breaks_before_its_reply_is_read_is_made_again_a
             assert worker.clients[1]._data is not None and worker.clients[1]._data is not broken
         finally:
             worker.close()
+
+
+@pytest.mark.parametrize("data_path", [True, False])
+def test_a_variable_split_over_two_ps_reaches_the_worker_whole(data_path, monkeypatch):
+    """dense_0/kernel is split by rows over both PS. Over the data path each part is received
+    straight into its rows of one array (no concatenation after); over gRPC the parts are joined
+    on arrival. Either way the worker computes on the variable the PS hold, whole."""
+    monkeypatch.setenv(ENV_DATA_PATH, "1" if data_path else "0")
+    with InProcessCluster(TRAINING, num_ps=2, num_workers=1) as cluster:
+        worker = _train_steps(cluster, 0, steps=3)
+        try:
+            parts = worker.plan.parts_of("dense_0/kernel")
+            assert len(parts) == 2
+            held = np.concatenate([cluster.shards[p.ps].vars[p.name] for p in parts])
+            np.testing.assert_array_equal(worker.params["dense_0/kernel"].numpy(), held)
+            assert (worker._joined._arrays.get("dense_0/kernel") is not None) == data_path
+        finally:
+            worker.close()
