@@ -320,44 +320,67 @@ static int unpack_dense(PyObject **objs, int nobjs, Buf *bufs, Dense *d) {
 /* The gradient of float j (the compiler makes one loop with `plus` and one without). */
 #define G(j) ((g1 ? g0[j] + g1[j] : g0[j]) * scale)
 
-static void sgd_loop(const Dense *d, const float *h) {
-    const float lr = h[0];
-    DENSE_POINTERS;
-    for (Py_ssize_t j = 0; j < d->n; j++) out[j] = w[j] - G(j) * lr;
+/* 1 when x is a NaN or an Inf: each dense loop ORs this over the gradient it applies, so that
+   the check costs no pass of its own (the caller drops the new arrays of a non-finite one). */
+static inline uint32_t nonfinite(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & EXPONENT) == EXPONENT;
 }
 
-static void momentum_loop(const Dense *d, const float *h) {
-    const float lr = h[0], mu = h[1];
+static uint32_t sgd_loop(const Dense *d, const float *h) {
+    const float lr = h[0];
+    uint32_t bad = 0;
     DENSE_POINTERS;
     for (Py_ssize_t j = 0; j < d->n; j++) {
-        float acc = a1[j] * mu + G(j);
+        float g = G(j);
+        bad |= nonfinite(g);
+        out[j] = w[j] - g * lr;
+    }
+    return bad;
+}
+
+static uint32_t momentum_loop(const Dense *d, const float *h) {
+    const float lr = h[0], mu = h[1];
+    uint32_t bad = 0;
+    DENSE_POINTERS;
+    for (Py_ssize_t j = 0; j < d->n; j++) {
+        float g = G(j), acc = a1[j] * mu + g;
+        bad |= nonfinite(g);
         n1[j] = acc;
         out[j] = w[j] - acc * lr;
     }
+    return bad;
 }
 
-static void adam_loop(const Dense *d, const float *h) {
+static uint32_t adam_loop(const Dense *d, const float *h) {
     const float b1 = h[0], b2 = h[1], rate = h[2], eps = h[3], c1 = 1 - b1, c2 = 1 - b2;
+    uint32_t bad = 0;
     DENSE_POINTERS;
     for (Py_ssize_t j = 0; j < d->n; j++) {
         float g = G(j), m = a1[j] * b1 + g * c1, v = a2[j] * b2 + g * g * c2;
+        bad |= nonfinite(g);
         n1[j] = m;
         n2[j] = v;
         out[j] = w[j] - m / (sqrtf(v) + eps) * rate;
     }
+    return bad;
 }
 
-static void adagrad_loop(const Dense *d, const float *h) {
+static uint32_t adagrad_loop(const Dense *d, const float *h) {
     const float lr = h[0], eps = h[1];
+    uint32_t bad = 0;
     DENSE_POINTERS;
     for (Py_ssize_t j = 0; j < d->n; j++) {
         float g = G(j), acc = g * g + a1[j];
+        bad |= nonfinite(g);
         n1[j] = acc;
         out[j] = w[j] - g / (sqrtf(acc) + eps) * lr;
     }
+    return bad;
 }
 
-static PyObject *run_dense(PyObject **objs, int nobjs, void (*loop)(const Dense *, const float *), const float *h,
+static PyObject *run_dense(PyObject **objs, int nobjs, uint32_t (*loop)(const Dense *, const float *), const float *h,
                            float scale) {
     Buf bufs[NDENSE] = {0};
     Dense d = {.scale = scale};
@@ -365,13 +388,15 @@ static PyObject *run_dense(PyObject **objs, int nobjs, void (*loop)(const Dense 
         release(bufs, NDENSE);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS loop(&d, h);
+    uint32_t bad;
+    Py_BEGIN_ALLOW_THREADS bad = loop(&d, h);
     Py_END_ALLOW_THREADS
     release(bufs, NDENSE);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(!bad);
 }
 
-/* Every dense update ends with the optional (plus=None, scale=1.0). */
+/* Every dense update ends with the optional (plus=None, scale=1.0) and returns whether the
+   gradient it applied was finite (no NaN, no Inf): when it was not, its new arrays are not to be used. */
 
 /* dense_sgd(var, grad, out, lr) */
 static PyObject *dense_sgd(PyObject *self, PyObject *args) {
@@ -383,7 +408,7 @@ static PyObject *dense_sgd(PyObject *self, PyObject *args) {
 
 /* The dense updates with one slot and two hyperparameters (momentum, adagrad):
    (var, grad, out, slot, slot_out, h0, h1). */
-static PyObject *one_slot(PyObject *args, void (*loop)(const Dense *, const float *)) {
+static PyObject *one_slot(PyObject *args, uint32_t (*loop)(const Dense *, const float *)) {
     PyObject *o[NDENSE] = {0};
     float h[4], scale = 1;
     if (!PyArg_ParseTuple(args, "OOOOOff|Of", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1], &o[PLUS], &scale)) return NULL;

@@ -118,7 +118,10 @@ class ShardClient:
         self._data_wanted = False
         log.log(level, json.dumps({"event": "grpc-steps", "ps": self.index, "detail": why}))
 
-    def _drop_data(self) -> None:
+    def _drop_data(self, err: BaseException | None = None) -> None:
+        """Close the data connection; with `err`, say why (the Step is made again through `step`)."""
+        if err is not None:
+            log.warning(json.dumps({"event": "data-path-failed", "ps": self.index, "detail": f"{type(err).__name__}: {err}"}))
         if self._data is not None:
             self._data.close()
             self._data = None
@@ -152,8 +155,8 @@ class SentSteps:
                     try:
                         client._data.send(wire.pieces(meta, tensors))
                         self.sent.append(k)
-                    except (OSError, ValueError):
-                        client._drop_data()
+                    except (OSError, ValueError) as err:
+                        client._drop_data(err)
 
     def replies(self, place=None) -> list[wire.Message | None]:
         """Each PS's reply (`place`: see DataConnection.receive); None for a PS with no open data connection, or whose connection failed:
@@ -173,8 +176,8 @@ class SentSteps:
                     client._drop_data()
                     if not _retryable(err):
                         refused.append(err)
-                except (OSError, ValueError):
-                    client._drop_data()
+                except (OSError, ValueError) as err:
+                    client._drop_data(err)
         if refused:
             raise refused[0]
         return replies

@@ -149,9 +149,13 @@ class Consistency:
         self.reset()
         return update
 
+    def applied(self, push: Push) -> bool:
+        """Whether an async push is a retry of one applied before (whose reply was lost)."""
+        return push.seq is not None and push.seq < self.clocks[push.worker]
+
     def push_async(self, push: Push, version: int) -> Update | None:
         """The update an async push makes; None for a retry of a push already applied."""
-        if push.seq is not None and push.seq < self.clocks[push.worker]:
+        if self.applied(push):
             return None
         self.clocks[push.worker] += 1
         staleness = version - push.tag if push.tag >= 0 else 0

@@ -357,7 +357,7 @@ class DataConnection:
                 continue
             if offset > done:
                 recv_exact(self.sock, view[done:offset])
-            recv_exact(self.sock, memoryview(dest).cast("B"))
+            recv_exact(self.sock, memoryview(dest.reshape(-1).view(np.uint8)))  # any dtype, bfloat16 too
             tensors[name], done = dest, offset + nbytes
         if done < len(view):
             recv_exact(self.sock, view[done:])

@@ -26,6 +26,10 @@ SLOTS = {
 _F32 = np.float32
 
 
+class NonFiniteGradient(ValueError):
+    """A dense gradient with a NaN or an Inf: its update was computed and not kept."""
+
+
 def sum_duplicates(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows, each once; their values, summed over repeats)."""
     if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()):  # already sorted and unique, as workers send them
@@ -60,26 +64,30 @@ class ShardOptimizer:
         return _F32(self.spec.learning_rate * np.sqrt(1 - self.spec.beta2 ** t) / (1 - self.spec.beta1 ** t))
 
     def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int,
-                    plus: np.ndarray | None = None, scale: float = 1.0) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                    plus: np.ndarray | None = None, scale: float = 1.0, check: bool = True
+                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One update with the gradient (grad + plus) * scale (a sync step's mean, made in the
         same pass: the other workers' sum, the last worker's gradient, 1/n); `t` (1-based) counts
         this shard's updates (Adam's bias correction). Returns the new variable and slots, written
-        in one pass in C; the given arrays are left as they were."""
+        in one pass in C; the given arrays are left as they were. With `check`, a gradient with a
+        NaN or an Inf raises NonFiniteGradient (the same pass finds it)."""
         grad, plus = (a if a is None or a.dtype == np.float32 else a.astype(np.float32) for a in (grad, plus))  # bfloat16 off the wire
         name, lr, tail = self.name, self._lr, (plus, _F32(scale))
         new = np.empty_like(var)
         fresh = {s: np.empty_like(var) for s in SLOTS[name]}
         if name is OptimizerName.SGD:
-            _rows.dense_sgd(var, grad, new, lr, *tail)
+            finite = _rows.dense_sgd(var, grad, new, lr, *tail)
         elif name is OptimizerName.MOMENTUM:
-            _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], lr, self._momentum, *tail)
+            finite = _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], lr, self._momentum, *tail)
         elif name is OptimizerName.ADAM:
-            _rows.dense_adam(var, grad, new, slots["m"], fresh["m"], slots["v"], fresh["v"],
-                             self._b1, self._b2, self._adam_rate(t), self._eps, *tail)
+            finite = _rows.dense_adam(var, grad, new, slots["m"], fresh["m"], slots["v"], fresh["v"],
+                                      self._b1, self._b2, self._adam_rate(t), self._eps, *tail)
         elif name is OptimizerName.ADAGRAD:
-            _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], lr, self._eps, *tail)
+            finite = _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], lr, self._eps, *tail)
         else:  # pragma: no cover - the spec's enum is closed
             raise ValueError(name)
+        if check and not finite:
+            raise NonFiniteGradient("the gradient contains NaN or Inf")
         return new, fresh
 
     def apply_sparse(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, values: np.ndarray, t: int) -> None:

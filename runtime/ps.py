@@ -39,7 +39,7 @@ from .auth import ServerSecurity
 from .datapath import DataServer, split_host
 from .metrics import WARM_UP_ONE_IN, PSMetrics
 from .models import Param
-from .optimizers import ShardOptimizer, sum_duplicates
+from .optimizers import NonFiniteGradient, ShardOptimizer, sum_duplicates
 from .sharding import Part, initial_part, place
 from .wire import GRPC_OPTIONS, POLL_SECONDS, SERVICE
 
@@ -189,7 +189,8 @@ class Shard:
         if part is None:
             raise Rejected("unknown_variable", f"variable {base!r} is not on PS {self.index}")
         if kind == "":
-            self._check_values(name, arr, part.shape, DENSE_WIRE_DTYPES)
+            # async and bounded: the update's own pass finds a NaN or an Inf (`_dense_updates`)
+            self._check_values(name, arr, part.shape, DENSE_WIRE_DTYPES, finite=self.mode is ConsistencyMode.SYNC)
             if part.sparse:
                 raise Rejected("wrong_shape", f"{name!r} is an embedding table: push rows (indices, values)")
             req.push.dense[name] = arr
@@ -218,21 +219,36 @@ class Shard:
             raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}") from None
 
     @staticmethod
-    def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = ("float32",)) -> None:
+    def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = ("float32",), finite: bool = True) -> None:
         if wire.dtype_name(arr.dtype) not in dtypes:
             raise Rejected("wrong_dtype", f"{name!r}: expected {' or '.join(dtypes)}, got {arr.dtype}")
         if tuple(arr.shape) != tuple(shape):
             raise Rejected("wrong_shape", f"{name!r}: expected shape {list(shape)}, got {list(arr.shape)}")
-        if arr.size and not _finite(arr):
+        if finite and arr.size and not _finite(arr):
             raise Rejected("non_finite", f"{name!r}: gradient contains NaN or Inf")
 
     # ---- the update (callers hold self.cond) ----
-    def _apply(self, update: Update) -> None:
+    def _dense_updates(self, grads: dict[str, np.ndarray]) -> dict[str, tuple]:
+        """The new arrays (variable, slots) of an async push's dense gradients, none kept yet;
+        Rejected when one holds a NaN or an Inf (found by the update's own pass)."""
+        t, out = self.version + 1, {}
+        for name, grad in grads.items():
+            try:
+                out[name] = self.optimizer.apply_dense(self.vars[name], self.slots[name], grad, t)
+            except NonFiniteGradient:
+                raise Rejected("non_finite", f"{name!r}: gradient contains NaN or Inf") from None
+        return out
+
+    def _apply(self, update: Update, dense: dict[str, tuple] | None = None) -> None:
+        """Apply `update`; `dense`: its dense part's new arrays, made before (`_dense_updates`)."""
         t0 = time.perf_counter()
         t = self.version + 1
-        for name, grad in update.dense.items():
-            self.vars[name], slots = self.optimizer.apply_dense(self.vars[name], self.slots[name], grad, t,
-                                                                update.plus.get(name), update.scale)
+        if dense is None:  # a sync step: each gradient was checked on arrival
+            dense = {name: self.optimizer.apply_dense(self.vars[name], self.slots[name], grad, t, update.plus.get(name),
+                                                      update.scale, check=False)
+                     for name, grad in update.dense.items()}
+        for name, (var, slots) in dense.items():
+            self.vars[name] = var
             self.slots[name].update(slots)
         for name, (rows, values) in update.sparse.items():
             rows, values = sum_duplicates(rows, values)
@@ -277,11 +293,11 @@ class Shard:
         target = req.min_version
         if req.has_grads and not self.done:
             if self.mode is not ConsistencyMode.SYNC:
-                update = self.consistency.push_async(req.push, self.version)
-                if update is None:  # a retry of a push applied before whose reply was lost
+                if self.consistency.applied(req.push):  # a retry of a push applied before whose reply was lost
                     self.metrics.duplicates.inc()
                 else:
-                    self._apply(update)
+                    dense = self._dense_updates(req.push.dense)  # refuses a NaN or an Inf: nothing changed yet
+                    self._apply(self.consistency.push_async(req.push, self.version), dense)
                 return target, False
             if not self.consistency.push_sync(req.push, self.version):
                 return target, True

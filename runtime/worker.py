@@ -275,9 +275,13 @@ class Worker:
 
     def _call_all(self, metas: list[dict], tensors: list[dict]) -> list[_Reply]:
         """One Step to every shard: over their data connections at once, the rest in parallel."""
-        metas = [{"worker": self.index, "workers": self.num_workers, **meta} for meta in metas]
-        sent = SentSteps(self.clients, list(zip(metas, tensors, strict=True)))
+        metas, sent = self._send_all(metas, tensors)
         return self._complete(sent.replies(self._joined.place()), metas, tensors)
+
+    def _send_all(self, metas: list[dict], tensors: list[dict]) -> tuple[list[dict], SentSteps]:
+        """One Step to every shard over its data connection, its reply not read yet: the metas sent, and the steps."""
+        metas = [{"worker": self.index, "workers": self.num_workers, **meta} for meta in metas]
+        return metas, SentSteps(self.clients, list(zip(metas, tensors, strict=True)))
 
     def _complete(self, msgs: list[wire.Message | None], metas: list[dict], tensors: list[dict]) -> list[_Reply]:
         """The replies of a Step to every shard: those the data paths did not bring, asked for again
@@ -401,10 +405,10 @@ class Worker:
         applied is not applied twice."""
         t0 = time.perf_counter()
         seqs = None if self.mode is ConsistencyMode.SYNC else list(self.shard_clocks)
-        metas = [{"worker": self.index, "workers": self.num_workers, **meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})}
-                 for k in range(len(self.clients))]
         tensors = [{**shard_tensors[k], **row_requests[k]} for k in range(len(self.clients))]
-        return _InFlight(t0, tags, metas, tensors, row_requests, SentSteps(self.clients, list(zip(metas, tensors, strict=True))))
+        metas, sent = self._send_all([{**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})} for k in range(len(self.clients))],
+                                     tensors)
+        return _InFlight(t0, tags, metas, tensors, row_requests, sent)
 
     def _finish(self, inflight: _InFlight) -> list[_Reply]:
         replies = self._complete(inflight.sent.replies(self._joined.place()), inflight.metas, inflight.tensors)

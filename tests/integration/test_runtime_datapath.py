@@ -240,19 +240,28 @@ def test_a_push_whose_connection_breaks_before_its_reply_is_read_is_made_again_a
             worker.close()
 
 
-@pytest.mark.parametrize("data_path", [True, False])
-def test_a_variable_split_over_two_ps_reaches_the_worker_whole(data_path, monkeypatch):
+@pytest.mark.parametrize("data_path,wire_dtype", [(True, "float32"), (True, "bfloat16"), (False, "float32")])
+def test_a_variable_split_over_two_ps_reaches_the_worker_whole(data_path, wire_dtype, monkeypatch):
     """dense_0/kernel is split by rows over both PS. Over the data path each part is received
-    straight into its rows of one array (no concatenation after); over gRPC the parts are joined
-    on arrival. Either way the worker computes on the variable the PS hold, whole."""
+    straight into its rows of one array (no concatenation after), in the wire's dtype; over gRPC
+    the parts are joined on arrival. Either way the worker computes on the variable the PS
+    hold, whole, and its data connection stays the one it opened."""
     monkeypatch.setenv(ENV_DATA_PATH, "1" if data_path else "0")
-    with InProcessCluster(TRAINING, num_ps=2, num_workers=1) as cluster:
-        worker = _train_steps(cluster, 0, steps=3)
+    training = TrainingSpec.model_validate({**TRAINING.model_dump(by_alias=True), "wireDtype": wire_dtype})
+    with InProcessCluster(training, num_ps=2, num_workers=1) as cluster:
+        worker = _train_steps(cluster, 0, steps=1)
         try:
+            connections = [c._data for c in worker.clients]
+            for _ in range(2):
+                worker.train_step()
             parts = worker.plan.parts_of("dense_0/kernel")
             assert len(parts) == 2
-            held = np.concatenate([cluster.shards[p.ps].vars[p.name] for p in parts])
-            np.testing.assert_array_equal(worker.params["dense_0/kernel"].numpy(), held)
+            held = np.concatenate([cluster.shards[p.ps].vars[p.name] for p in parts]).astype(wire.dtype(wire_dtype))
+            got = worker.params["dense_0/kernel"]
+            assert got.dtype.name == wire_dtype
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), held.view(np.uint8))
             assert (worker._joined._arrays.get("dense_0/kernel") is not None) == data_path
+            assert [c._data for c in worker.clients] == connections
+            assert sum(_sample(s, "tfps_ps_data_connections", replica_index=str(s.index)) for s in cluster.shards) == (2 if data_path else 0)
         finally:
             worker.close()

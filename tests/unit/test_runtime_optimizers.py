@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tfps.runtime import _rows
-from tfps.runtime.optimizers import ShardOptimizer
+from tfps.runtime.optimizers import NonFiniteGradient, ShardOptimizer
 from tfps.api.spec import OptimizerSpec
 
 RNG = np.random.default_rng(0)
@@ -240,3 +240,22 @@ def test_a_sync_mean_made_in_the_update_pass_is_bit_for_bit_numpys(name):
         np.testing.assert_array_equal(new_slots[s], expected_slots[s])
     with pytest.raises(ValueError, match="second gradient of 5 floats"):
         opt.apply_dense(var, slots, others, 4, plus=np.zeros(5, np.float32))
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad"])
+def test_a_dense_update_finds_a_nan_or_an_inf_in_its_own_pass(name):
+    """The dense kernels check the gradient they apply as they go (no pass of its own); the
+    variable and slots given are left as they were."""
+    _, opt, var, slots = _setup(name)
+    before = var.copy()
+    for bad in (np.nan, np.inf, -np.inf):
+        grad = GRADS[0].copy()
+        grad.flat[-1] = bad
+        with pytest.raises(NonFiniteGradient):
+            opt.apply_dense(var, slots, grad, 1)
+        opt.apply_dense(var, slots, grad, 1, check=False)  # a sync step's mean: checked on arrival
+    huge = np.full_like(GRADS[0], np.finfo(np.float32).max)
+    with pytest.raises(NonFiniteGradient):  # the mean's sum overflows
+        opt.apply_dense(var, slots, huge, 1, plus=huge, scale=0.5)
+    np.testing.assert_array_equal(var, before)
+    opt.apply_dense(var, slots, huge, 1)  # the largest finite floats are finite
