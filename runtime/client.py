@@ -143,9 +143,11 @@ class ShardClient:
 
 
 class SentSteps:
-    """Steps sent over the data connections, their replies read later (`replies`), so that a
-    worker computes its next gradients meanwhile without handing the exchange to a thread (on
-    this kind of machine, waking a thread and taking the GIL back cost ~0.1 ms of CPU a step)."""
+    """One Step to each PS (`requests[k]`: meta and tensors for `clients[k]`) over the data
+    connections already open, all sent before any reply is read, so the PS work on them at once
+    without a thread per PS. The replies are read later (`replies`): a worker computes its next
+    gradients meanwhile without handing the exchange to a thread (on this kind of machine,
+    waking a thread and taking the GIL back cost ~0.1 ms of CPU a step)."""
 
     def __init__(self, clients: list[ShardClient], requests: list[tuple[dict, dict]]):
         self.clients, self.sent = clients, []
@@ -159,10 +161,10 @@ class SentSteps:
                         client._drop_data(err)
 
     def replies(self, place=None) -> list[wire.Message | None]:
-        """Each PS's reply (`place`: see DataConnection.receive); None for a PS with no open data connection, or whose connection failed:
-        the caller makes that request again through `ShardClient.step`, with its retries (a push
-        applied before its reply was lost is recognised by the PS: async pushes carry their
-        sequence number, sync ones their tag)."""
+        """Each PS's reply (`place`: see DataConnection.receive). None for a PS with no open data
+        connection, or whose connection failed: the caller makes that request again through
+        `ShardClient.step`, with its retries (a push applied before its reply was lost is
+        recognised by the PS: async pushes carry their sequence number, sync ones their tag)."""
         replies: list[wire.Message | None] = [None] * len(self.clients)
         refused: list[DataPathError] = []
         for k in self.sent:  # every reply is read, so that no connection is left mid-frame
@@ -181,10 +183,3 @@ class SentSteps:
         if refused:
             raise refused[0]
         return replies
-
-
-def step_on_data_paths(clients: list[ShardClient], requests: list[tuple[dict, dict]]) -> list[wire.Message | None]:
-    """One Step to each PS (`requests[k]`: meta and tensors for `clients[k]`) over the data
-    connections already open, all sent before any reply is awaited, so the PS work on them at
-    once without a thread per PS (see `SentSteps.replies`)."""
-    return SentSteps(clients, requests).replies()

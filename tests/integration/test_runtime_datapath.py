@@ -192,7 +192,7 @@ def test_a_frame_that_comes_in_pieces_is_read_whole_and_a_silent_connection_is_c
 
 
 def test_a_step_whose_data_connection_breaks_is_made_again_and_applied_once():
-    """A worker sends its Step to every PS before it reads any reply (client.step_on_data_paths).
+    """A worker sends its Step to every PS before it reads any reply (client.SentSteps).
     When one PS's connection breaks, that PS's request is made again through the client's
     retrying path on a new connection; each PS applies the step's push once."""
     training = TrainingSpec.model_validate({**TRAINING.model_dump(by_alias=True), "steps": 100})
