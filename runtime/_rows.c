@@ -30,6 +30,13 @@ typedef struct {
     int held;
 } Buf;
 
+/* 1 when x is a NaN or an Inf (its exponent bits all set); written so that loops vectorise. */
+static inline uint32_t nonfinite(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & EXPONENT) == EXPONENT;
+}
+
 static void release(Buf *bufs, int n) {
     for (int i = 0; i < n; i++)
         if (bufs[i].held) PyBuffer_Release(&bufs[i].view);
@@ -320,13 +327,8 @@ static int unpack_dense(PyObject **objs, int nobjs, Buf *bufs, Dense *d) {
 /* The gradient of float j (the compiler makes one loop with `plus` and one without). */
 #define G(j) ((g1 ? g0[j] + g1[j] : g0[j]) * scale)
 
-/* 1 when x is a NaN or an Inf: each dense loop ORs this over the gradient it applies, so that
-   the check costs no pass of its own (the caller drops the new arrays of a non-finite one). */
-static inline uint32_t nonfinite(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (u & EXPONENT) == EXPONENT;
-}
+/* Each dense loop ORs `nonfinite` over the gradient it applies, so that the check costs no pass
+   of its own (the caller drops the new arrays of a non-finite one). */
 
 static uint32_t sgd_loop(const Dense *d, const float *h) {
     const float lr = h[0];
@@ -471,15 +473,12 @@ static PyObject *all_finite(PyObject *self, PyObject *obj) {
         release(&b, 1);
         return NULL;
     }
-    const uint32_t *x = b.view.buf;
+    const float *x = b.view.buf;
     Py_ssize_t n = b.view.len / (Py_ssize_t)sizeof(float);
     uint32_t bad = 0;
-    if (n < LARGE) {
-        for (Py_ssize_t i = 0; i < n; i++) bad |= (x[i] & EXPONENT) == EXPONENT;
-    } else {
-        Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) bad |= (x[i] & EXPONENT) == EXPONENT;
-        Py_END_ALLOW_THREADS
-    }
+    PyThreadState *saved = n >= LARGE ? PyEval_SaveThread() : NULL; /* the GIL, released for a long pass */
+    for (Py_ssize_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
+    if (saved) PyEval_RestoreThread(saved);
     release(&b, 1);
     return PyBool_FromLong(!bad);
 }

@@ -153,10 +153,8 @@ class Consistency:
         """Whether an async push is a retry of one applied before (whose reply was lost)."""
         return push.seq is not None and push.seq < self.clocks[push.worker]
 
-    def push_async(self, push: Push, version: int) -> Update | None:
-        """The update an async push makes; None for a retry of a push already applied."""
-        if self.applied(push):
-            return None
+    def push_async(self, push: Push, version: int) -> Update:
+        """The update an async push makes (one not `applied` before)."""
         self.clocks[push.worker] += 1
         staleness = version - push.tag if push.tag >= 0 else 0
         return Update(push.dense, push.sparse, push.batch, push.loss, max(0, staleness))

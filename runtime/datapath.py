@@ -361,9 +361,9 @@ class DataConnection:
             tensors[name], done = dest, offset + nbytes
         if done < len(view):
             recv_exact(self.sock, view[done:])
-        for name, dt, shape, offset, nbytes in places:
-            if name not in tensors:
-                tensors[name] = np.frombuffer(view, dt, nbytes // dt.itemsize, offset).reshape(shape)
+        for place in places:
+            if place[0] not in tensors:
+                tensors[place[0]] = wire.tensor_at(view, place)
         return wire.Message(meta, tensors)
 
     def step(self, meta: dict, tensors: dict) -> wire.Message:

@@ -215,8 +215,13 @@ def decode(data: bytes) -> Message:
     """Parse a message; raises WireError(reason) on anything malformed."""
     view = memoryview(data)
     meta, places = header(view, len(view))
-    return Message(meta, {name: np.frombuffer(view, dt, nbytes // dt.itemsize, offset).reshape(shape)
-                          for name, dt, shape, offset, nbytes in places})
+    return Message(meta, {place[0]: tensor_at(view, place) for place in places})
+
+
+def tensor_at(view: memoryview, place: tuple) -> np.ndarray:
+    """The tensor at `place` (one of `header`'s) of the message whose bytes `view` holds: a view of them."""
+    _, dt, shape, offset, nbytes = place
+    return np.frombuffer(view, dt, nbytes // dt.itemsize, offset).reshape(shape)
 
 
 def iter_chunks(data: bytes, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
