@@ -28,11 +28,13 @@ import grpc
 from tfps.api.naming import CA_KEY, CERT_KEY, ENV_AUTH_TOKEN_FILE, KEY_KEY, TOKEN_KEY
 from tfps.api.settings import ProcessSettings
 
+from .health import HEALTH_SERVICE
+
 log = logging.getLogger("tfps.auth")
 
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # probes carry no token
+OPEN_SERVICES = (f"/{HEALTH_SERVICE}/",)  # probes carry no token
 REJECT_REASON = "unauthenticated"
 REJECT_DETAIL = "missing or wrong bearer token for this job"
 

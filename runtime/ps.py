@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tfps.api.spec import ConsistencyMode, TrainingSpec
 
-from . import _rows, wire
+from . import _rows, health, wire
 from .checkpoint import RowSnapshot, ShardCheckpoints, load_rows
 from .consistency import Consistency, Push, Update
 from .auth import ServerSecurity
@@ -552,15 +551,11 @@ def serve(shard: Shard, address: str, max_workers: int = 16, security: ServerSec
         data = DataServer(shard, split_host(address), data_port, security.material, refused)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"), options=GRPC_OPTIONS,
                          interceptors=security.interceptors(shard.metrics, shard.index))
-    server.add_generic_rpc_handlers((_handlers(shard, data.port if data else None, refused),))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_generic_rpc_handlers((_handlers(shard, data.port if data else None, refused), health.handler(("", SERVICE))))
     port = security.add_port(server, address)
     if port == 0:
         if data is not None:
             data.close()
         raise OSError(f"cannot bind the PS gRPC server on {address}")
     server.start()
-    for name in ("", SERVICE):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return PSServer(server, data), port

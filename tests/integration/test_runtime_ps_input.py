@@ -145,6 +145,8 @@ def test_a_retried_push_is_applied_once(cluster):
 
 
 def test_health_service_reports_serving(cluster):
+    """The PS's own health service (runtime/health.py), asked by grpcio-health-checking's client
+    as kubelet's gRPC probe and grpc_health_probe ask."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
@@ -152,6 +154,17 @@ def test_health_service_reports_serving(cluster):
         for service in ("", wire.SERVICE):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        for service, status in ((wire.SERVICE, health_pb2.HealthCheckResponse.SERVING),
+                                ("no.such.Service", health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)):
+            stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert next(stream).status == status
+            stream.cancel()
+        with pytest.raises(grpc.RpcError) as err:  # a field of wire type 7 does not exist
+            channel.unary_unary("/grpc.health.v1.Health/Check")(b"\x0f", timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _total_rejected(cluster) -> float:
