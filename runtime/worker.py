@@ -416,9 +416,6 @@ class Worker:
         self.metrics.push_seconds.observe(time.perf_counter() - inflight.started)
         return replies
 
-    def _exchange(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict]) -> list[_Reply]:
-        return self._finish(self._send(tags, shard_tensors, meta, row_requests))
-
     def _count(self, loss: float, batch: int, t_step: float) -> None:
         self.last_loss = loss
         self.steps_done += 1
@@ -437,7 +434,10 @@ class Worker:
         next_requests, next_routes = [dict() for _ in self.clients], {}
         if self.sparse:
             _, _, next_requests, next_routes = self._batch_plan(step + 1)
-        replies = self._exchange(list(self.versions), self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, next_requests)
+        inflight = self._send(list(self.versions), self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, next_requests)
+        if not self.sparse:  # the next batch is made while the PS closes the step (with tables it was made before, for its rows)
+            self._batch_plan(step + 1)
+        replies = self._finish(inflight)
         self._update_state(replies)
         if self.sparse:
             self.rows = self._rows_from(replies, next_routes)
