@@ -83,3 +83,19 @@ def test_the_operator_image_has_every_module_the_operator_imports():
     for module in sorted(reached):
         tops = {i.split(".")[0] for i in GRAPH[module]}
         assert not tops & {"grpc", "grpc_health", "tensorflow", "sklearn", "ml_dtypes"}, (module, tops)
+
+
+def test_the_ps_process_loads_neither_tensorflow_nor_protobuf():
+    """A PS's memory beyond its shard is a goal (PS peak RSS ≤ 1.3× parameters + slots): the
+    modules `tfps ps` loads, lazy ones included, leave out TensorFlow and protobuf (its health
+    service speaks its two messages itself, runtime/health.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from tfps.runtime import ps_main\n"
+            "from tfps.runtime import auth, metrics, models, ps, sharding\n"
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'google', 'grpc_health'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout.split()
+    # grpc's own __init__ imports the (empty) grpc_health namespace package, not its protobuf messages
+    assert set(out) <= {"grpc_health"}, out
