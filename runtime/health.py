@@ -94,7 +94,8 @@ def handler(services: Iterable[str]) -> grpc.GenericRpcHandler:
         # A status never changes while the server runs: send it once, then hold the stream
         # open until the client leaves or the server stops (both end the RPC).
         ended = threading.Event()
-        context.add_callback(ended.set)
+        if not context.add_callback(ended.set):  # the RPC has ended already
+            return
         yield response(SERVING if service_of(request, context) in known else SERVICE_UNKNOWN)
         ended.wait()
 
