@@ -14,16 +14,16 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "runtime" / "_rows.c"
+SOURCE = REPO / "runtime" / "_rows.c"
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
 # Each optimizer's update of one row (a table's touched rows) and its dense loop (a whole variable).
 KERNELS = [f"{name}_{kind}" for name in OPTIMIZERS for kind in ("row", "loop")]
 
 
 def compile_flags() -> list[str]:
-    with open(ROOT / "pyproject.toml", "rb") as fh:
+    with open(REPO / "pyproject.toml", "rb") as fh:
         modules = tomllib.load(fh)["tool"]["setuptools"]["ext-modules"]
     (rows,) = [m for m in modules if m["name"] == "tfps.runtime._rows"]
     return rows["extra-compile-args"]
@@ -42,17 +42,21 @@ def loop_lines(source: str, function: str) -> list[int]:
     raise AssertionError(f"{function} has no end")
 
 
-@pytest.fixture(scope="module")
-def vectorised(tmp_path_factory) -> set[int]:
-    """The source lines of the loops GCC reports vectorised."""
+def vectorised_lines(source: Path, out: Path, *link: str) -> set[int]:
+    """The lines of `source` whose loops GCC reports vectorised, built with pyproject's flags."""
     gcc = shutil.which("gcc")
     if gcc is None:
         pytest.skip("no gcc: the kernels are built in the PS image's build stage")
-    out = tmp_path_factory.mktemp("kernels") / "_rows.so"
-    cmd = [gcc, *compile_flags(), "-fPIC", "-shared", f"-I{sysconfig.get_paths()['include']}", "-fopt-info-vec-optimized",
-           str(SOURCE), "-o", str(out)]
+    cmd = [gcc, *compile_flags(), *link, "-fopt-info-vec-optimized", str(source), "-o", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    return {int(m.group(1)) for m in re.finditer(r"_rows\.c:(\d+):\d+: optimized: loop vectorized", result.stderr)}
+    pattern = rf"{re.escape(source.name)}:(\d+):\d+: optimized: loop vectorized"
+    return {int(m.group(1)) for m in re.finditer(pattern, result.stderr)}
+
+
+@pytest.fixture(scope="module")
+def vectorised(tmp_path_factory) -> set[int]:
+    out = tmp_path_factory.mktemp("kernels") / "_rows.so"
+    return vectorised_lines(SOURCE, out, "-fPIC", "-shared", f"-I{sysconfig.get_paths()['include']}")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -64,12 +68,9 @@ def test_every_update_kernel_is_vectorised(kernel, vectorised):
 
 
 def test_the_check_can_fail(tmp_path):
-    """The same question asked of a loop GCC cannot vectorise (each float depends on the one before)."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip("no gcc")
-    src = tmp_path / "scan.c"
-    src.write_text("void scan(float *x, long n) {\n    for (long j = 1; j < n; j++) x[j] += x[j - 1] * 0.5f;\n}\n")
-    result = subprocess.run([gcc, *compile_flags(), "-c", "-fopt-info-vec-optimized", str(src), "-o", str(tmp_path / "scan.o")],
-                            capture_output=True, text=True, check=True)
-    assert "loop vectorized" not in result.stderr
+    """The same question asked of a loop GCC cannot vectorise (each float depends on the one before),
+    beside one it can."""
+    src = tmp_path / "loops.c"
+    src.write_text("void scan(float *x, long n) {\n    for (long j = 1; j < n; j++) x[j] += x[j - 1] * 0.5f;\n}\n"
+                   "void scale(float *restrict x, long n) {\n    for (long j = 0; j < n; j++) x[j] *= 0.5f;\n}\n")
+    assert vectorised_lines(src, tmp_path / "loops.o", "-c") == {5}
