@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from . import embedding, limit, report, tfps_side
+from . import embedding, limit, machine, report, tfps_side
 from .mlp import SHAPES, Shape
 from .procs import ANCHOR_CRASH_RETRIES, MeasurementError, Repeat, module_cmd, run_json
 
@@ -129,7 +129,7 @@ def _embedding_shape(name: str) -> embedding.EmbeddingShape:
 
 
 def build_report(cfg: dict, rows: dict[str, list[dict]], goodput: list[dict] | None, errors: list[str], wall: float,
-                 embedding_rows: dict[str, list[dict]] | None = None) -> dict:
+                 embedding_rows: dict[str, list[dict]] | None = None, host: dict | None = None) -> dict:
     shapes = {}
     for name, repeats in rows.items():
         shape = SHAPES[name]
@@ -140,7 +140,7 @@ def build_report(cfg: dict, rows: dict[str, list[dict]], goodput: list[dict] | N
             },  # fmt: skip
             **report.summarize_shape(name, repeats),
         }
-    out: dict[str, Any] = {"settings": cfg, "shapes": shapes}
+    out: dict[str, Any] = {"settings": cfg, "machine": host, "shapes": shapes}
     if embedding_rows:
         out["embedding"] = {
             "shapes": {name: {"config": {**vars(_embedding_shape(name)), "params": _embedding_shape(name).params},
@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         status.log(text)
 
     start = time.monotonic()
+    host = machine.describe()
     rows: dict[str, list[dict]] = {name: [] for name in cfg["shapes"]}
     emb_rows: dict[str, list[dict]] = {name: [] for name in cfg["embedding_shapes"]}
     hints: dict[str, dict[str, float]] = {name: {} for name in [*rows, *emb_rows]}
@@ -190,13 +191,14 @@ def run(args: argparse.Namespace) -> int:
             emb_rows[name].append(row)
             errors += errs
         if args.output:  # every repeat so far, in case the run is cut short
-            _write(args.output, build_report(cfg, rows, None, errors, time.monotonic() - start, emb_rows))
+            _write(args.output, build_report(cfg, rows, None, errors, time.monotonic() - start, emb_rows, host))
     goodput = None
     if cfg["goodput"]:
         progress("goodput: tfps PS push+pull vs raw TCP loopback")
         goodput, errs = measure_goodput(cfg)
         errors += errs
-    result = build_report(cfg, rows, goodput, errors, time.monotonic() - start, emb_rows)
+    host["load_at_end"] = machine.load()
+    result = build_report(cfg, rows, goodput, errors, time.monotonic() - start, emb_rows, host)
     if args.output:
         _write(args.output, result)
     if args.json:

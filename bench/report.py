@@ -232,10 +232,36 @@ def _embedding_table(embedding: dict[str, Any]):
     return table
 
 
+def _machine_line(machine: dict[str, Any]) -> str:
+    """bench/machine.py's description, in one line."""
+    cpu = machine.get("cpu") or "unknown CPU"
+    detail = [x for x in (machine.get("cpu_signature"), machine.get("mhz") and f"{machine['mhz']} MHz") if x]
+    parts = [f"{cpu} ({', '.join(detail)})" if detail else cpu]
+    if machine.get("cpus"):
+        parts.append(f"{machine['cpus']} CPUs")
+    if machine.get("memory_gib"):
+        parts.append(f"{machine['memory_gib']:g} GiB")
+    parts += [f"{name} {size}" for name, size in (machine.get("caches") or {}).items()]
+    if machine.get("kernel"):
+        parts.append(f"Linux {machine['kernel']}")
+    line = ", ".join(parts)
+    if machine.get("load"):
+        line += f"; load average {machine['load'][0]:.2f} at the start"
+    if machine.get("load_at_end"):
+        line += f", {machine['load_at_end'][0]:.2f} at the end"
+    return line
+
+
+def _print_machine(report: dict[str, Any], console) -> None:
+    if report.get("machine"):
+        console.print(f"machine: {_machine_line(report['machine'])}", soft_wrap=True)
+
+
 def render(report: dict[str, Any], console) -> None:
     """Print the report as rich tables on `console`."""
     from rich.table import Table
 
+    _print_machine(report, console)
     rates = Table(title="dense shapes: examples/s (median of repeats; each repeat measures all of them back to back)")
     rates.add_column("shape")
     rates.add_column("params", justify="right")

@@ -4,11 +4,12 @@ Real processes on 127.0.0.1: TensorFlow's ParameterServerStrategy (tf.distribute
 per task; Keras 2 for the embedding shape), the bytes-inclusive limit, the compute-only
 ceiling, `tfps local` in async and sync mode, the wide-deep model on a small vocabulary with
 SGD, Adam and Adam while checkpointing, a `tfps ps` for the goodput pair. Checks what a user
-reads: every row of the report with numeric rates, bytes and memory, and each goal marked met
-or missed. No timing is asserted.
+reads: every row of the report with numeric rates, bytes and memory, each goal marked met
+or missed, and the machine it ran on. No timing is asserted.
 """
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -42,11 +43,13 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
         assert label in text
     assert "goal ≤ 1.2×" in text and "goal ≤ 1.3×" in text and "goal ≥ 10×" in text
     assert "0 not measured" in text
+    assert f"{os.cpu_count()} CPUs" in text  # the machine the figures came from
 
     # the same report as JSON
     out = json.loads(out_file.read_text())
     assert out["errors"] == []
     assert set(out["shapes"]) == {"670k"}
+    assert out["machine"]["cpus"] == os.cpu_count() and len(out["machine"]["load_at_end"]) == 3
     for name, shape in out["shapes"].items():
         assert len(shape["repeats"]) == 1
         for system in report.SYSTEMS:
