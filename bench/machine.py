@@ -8,13 +8,14 @@ too. A report says which machine it came from and how busy that machine was when
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 
 def describe(root: Path = Path("/")) -> dict[str, Any]:
-    """CPU model and count, memory, CPU caches, kernel and load average, read from /proc and
-    /sys under `root`; a field that cannot be read is None."""
+    """CPU model and count, memory, CPU caches and kernel, read from /proc and /sys under
+    `root`, and this machine's load average; a field that cannot be read is None."""
     cpuinfo = _read(root / "proc/cpuinfo") or ""
     first = _fields(cpuinfo.split("\n\n")[0])  # the first CPU's
     signature = [first.get(k) for k in ("cpu family", "model", "stepping")]
@@ -30,16 +31,15 @@ def describe(root: Path = Path("/")) -> dict[str, Any]:
         "memory_gib": None if mem_kib is None else round(mem_kib / (1 << 20), 1),
         "caches": _caches(root / "sys/devices/system/cpu/cpu0/cache"),
         "kernel": _read(root / "proc/sys/kernel/osrelease"),
-        "load": load(root),
+        "load": load(),
     }
 
 
-def load(root: Path = Path("/")) -> list[float] | None:
+def load() -> list[float] | None:
     """The 1, 5 and 15 minute load averages."""
-    text = _read(root / "proc/loadavg")
     try:
-        return [float(x) for x in text.split()[:3]] if text else None
-    except ValueError:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not available on this system
         return None
 
 
