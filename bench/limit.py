@@ -9,6 +9,13 @@ table) out, the pull (every dense parameter, and the rows the next batch touches
 No optimizer, no framing beyond a length. Each worker sizes TensorFlow's thread pools as
 `tfps local` sizes a replica's (`--processes`). Prints one JSON line: the aggregate
 examples/s and the bytes moved per step. The PS cannot do better than this with the same bytes.
+
+With `--update async` or `--update sync` (dense models), the answering process also does the
+optimizer's update, with the PS's own kernel (runtime/optimizers.py), and what goes back is the
+parameters it made: each push applied in turn (async), or one update with the mean of every
+connected worker's push, every worker waiting for it (sync). That is what a PS with no cost of
+its own beyond the bytes and the update would reach: the share of the limit that no PS
+applying updates can have back.
 """
 from __future__ import annotations
 
@@ -18,28 +25,89 @@ import socket
 import struct
 import sys
 import threading
+import time
+
+import numpy as np
 
 from .procs import LOOPBACK, child_or_orchestrator, module_cmd, run_json, run_together, size_tf_threads, timed_window
 
 MODULE = "tfps.bench.limit"
 STARTUP_S = 150.0  # allowance for starting the processes on a busy machine
 _HEADER = struct.Struct("<QQ")  # push bytes that follow, pull bytes wanted back
+UPDATES = ("none", "async", "sync")
+# A sync step closes without a worker silent this long: one that finished its warm-up waits,
+# without pushing, for the others to finish theirs (procs.timed_window).
+SYNC_WAIT_SECONDS = 0.5
 
 
-def answer(conn: socket.socket) -> None:
-    """Read each push whole, send back as many bytes as asked for; until the peer closes."""
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    inbox, outbox = bytearray(1 << 20), bytes(1 << 20)
-    header = bytearray(_HEADER.size)
-    while _recv_exact(conn, memoryview(header)):
-        push, pull = _HEADER.unpack(header)
-        if push > len(inbox):
-            inbox = bytearray(push)
-        if pull > len(outbox):
-            outbox = bytes(pull)
-        if not _recv_exact(conn, memoryview(inbox)[:push]):
-            return
-        conn.sendall(memoryview(outbox)[:pull])
+class Answerer:
+    """The process that only answers: reads each push whole and sends back as many bytes as
+    asked for, until the peer closes. With an `update` ("async" or "sync"), pushes and pulls
+    are one dense model's gradients and parameters (float32, in the same order), and the bytes
+    sent back are the parameters after the update (`ShardOptimizer`, the PS's kernel)."""
+
+    def __init__(self, update: str = "none", learning_rate: float = 0.01):
+        from tfps.api.spec import OptimizerSpec
+        from tfps.runtime.optimizers import ShardOptimizer
+
+        self.update = update
+        self.optimizer = ShardOptimizer(OptimizerSpec.model_validate({"name": "sgd", "learningRate": learning_rate}))
+        self.cond = threading.Condition()
+        self.params: np.ndarray | None = None  # replaced by each update, never changed in place
+        self.version = 0
+        self.live = 0  # connected workers: a sync step waits for a push from each
+        self.pushes: list[np.ndarray] = []  # this sync step's so far
+
+    def answer(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        inbox, outbox = bytearray(1 << 20), bytes(1 << 20)
+        header = bytearray(_HEADER.size)
+        with self.cond:
+            self.live += 1
+        try:
+            while _recv_exact(conn, memoryview(header)):
+                push, pull = _HEADER.unpack(header)
+                if push > len(inbox):
+                    inbox = bytearray(push)
+                if pull > len(outbox):
+                    outbox = bytes(pull)
+                if not _recv_exact(conn, memoryview(inbox)[:push]):
+                    return
+                if self.update == "none" or push % 4 or (push and push != pull):
+                    conn.sendall(memoryview(outbox)[:pull])
+                else:
+                    conn.sendall(memoryview(self._parameters(np.frombuffer(inbox, np.float32, push // 4), pull // 4)).cast("B"))
+        finally:
+            with self.cond:
+                self.live -= 1
+                self.cond.notify_all()  # a sync step no longer waits for this worker
+
+    def _parameters(self, grad: np.ndarray, size: int) -> np.ndarray:
+        """The parameters after this push's update (an empty push: the parameters as they are)."""
+        with self.cond:
+            if self.params is None or len(self.params) != size:
+                self.params = np.zeros(size, np.float32)
+            if not len(grad):
+                return self.params
+            if self.update == "async":
+                self._apply(grad)
+                return self.params
+            # sync: the push is a view of this connection's inbox, which it does not reuse until answered
+            step, deadline = self.version, time.monotonic() + SYNC_WAIT_SECONDS
+            self.pushes.append(grad)
+            while self.version == step:
+                if len(self.pushes) >= self.live or time.monotonic() >= deadline:
+                    *others, last = self.pushes
+                    self.pushes = []
+                    self._apply(last, np.sum(others, axis=0) if len(others) > 1 else (others[0] if others else None), 1 + len(others))
+                    self.cond.notify_all()
+                else:
+                    self.cond.wait(deadline - time.monotonic())
+            return self.params
+
+    def _apply(self, grad: np.ndarray, plus: np.ndarray | None = None, count: int = 1) -> None:
+        self.version += 1
+        self.params, _ = self.optimizer.apply_dense(self.params, {}, grad, self.version, plus, 1.0 / count, check=False)
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -52,10 +120,10 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
     return True
 
 
-def serve(listener: socket.socket) -> None:
+def serve(listener: socket.socket, answerer: Answerer) -> None:
     while True:
         conn, _ = listener.accept()
-        threading.Thread(target=answer, args=(conn,), daemon=True).start()
+        threading.Thread(target=answerer.answer, args=(conn,), daemon=True).start()
 
 
 class Exchange:
@@ -133,14 +201,18 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
+    from tfps.runtime.models import load_model
+
+    if args.update != "none" and load_model(args.model, json.loads(args.model_args), args.seed).sparse_params:
+        raise SystemExit("--update takes a dense model: the limit's push carries no row ids")
     listener = socket.create_server((LOOPBACK, 0))
-    threading.Thread(target=serve, args=(listener,), daemon=True).start()
+    threading.Thread(target=serve, args=(listener, Answerer(args.update, args.learning_rate)), daemon=True).start()
     base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
             "--workers", str(args.workers), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
             "--seed", str(args.seed), "--port", str(listener.getsockname()[1]), "--processes", str(args.processes)]
     results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
     return {
-        "system": "limit",
+        "system": "limit" if args.update == "none" else f"limit_update_{args.update}",
         "examples_per_second": sum(r["examples_per_second"] for r in results),
         "per_worker": [r["examples_per_second"] for r in results],
         "bytes_per_step": sum(r["bytes_per_step"] for r in results) / len(results),
@@ -150,12 +222,14 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def run(shape, cfg: dict) -> dict:
-    """Measure the limit for a benchmark shape (bench/mlp.py's or bench/embedding.py's)."""
+def run(shape, cfg: dict, update: str = "none") -> dict:
+    """Measure the limit for a benchmark shape (bench/mlp.py's or bench/embedding.py's); with
+    `update`, the limit with the optimizer's update (dense shapes)."""
     cmd = module_cmd(MODULE, "--model", shape.model, "--model-args", json.dumps(shape.model_args), "--batch", str(shape.batch),
                      "--workers", str(shape.workers), "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
-                     "--processes", str(shape.workers + shape.ps))
-    return run_json(cmd, STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"]), f"limit ({shape.name})")
+                     "--processes", str(shape.workers + shape.ps), "--update", update, "--learning-rate", str(cfg["learning_rate"]))
+    what = "limit" if update == "none" else f"limit with the {update} update"
+    return run_json(cmd, STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"]), f"{what} ({shape.name})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--update", choices=UPDATES, default="none",
+                        help="the answering process also applies SGD's update to the parameters it sends back (dense models)")
+    parser.add_argument("--learning-rate", type=float, default=0.01, help="of that update")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)

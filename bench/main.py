@@ -2,6 +2,7 @@
 
 Dense shapes (the 670k MLP with 2 workers × 1 PS, the 5.8M MLP with 2 workers × 2 PS,
 batch 128): each repeat measures, back to back, the bytes-inclusive limit (bench/limit.py),
+the same limit with the optimizer's update made by the answering process (async and sync),
 the compute-only ceiling, TensorFlow's own ParameterServerStrategy (async), tfps async and
 tfps sync, and tfps async with bfloat16 on the wire (spec.training.wireDtype).
 
@@ -92,6 +93,8 @@ def measure_shape_once(
     """One repeat of one shape: every system back to back. Returns examples/s and errors."""
     rep = Repeat(shape.name, progress, report.SYSTEMS)
     rep.attempt("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",))
+    for update in ("async", "sync"):
+        rep.attempt(f"limit_update_{update}", lambda update=update: limit.run(shape, cfg, update))
     rep.attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg, ["--processes", str(shape.workers + shape.ps)]))
     rep.attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
     row = rep.row

@@ -12,6 +12,8 @@ from typing import Any
 # What is measured per shape, in the order of a repeat: key -> label.
 SYSTEMS: dict[str, str] = {
     "limit": "bytes-inclusive limit",
+    "limit_update_async": "limit + update, async",
+    "limit_update_sync": "limit + update, sync",
     "ceiling": "ceiling (no PS)",
     "tf_pss": "TF strategy (async)",
     "tfps_async": "tfps async",
@@ -21,7 +23,7 @@ SYSTEMS: dict[str, str] = {
 LEGEND = (
     "TF strategy = tf.distribute ParameterServerStrategy with ClusterCoordinator; bytes-inclusive limit = the same "
     "worker processes computing the same gradients and moving each step's push and pull bytes over plain sockets "
-    "to a process that only answers (no optimizer); ceiling = the same worker processes computing gradients with "
+    "to a process that only answers (no optimizer); limit + update = the same, the answering process also applying SGD's update with the PS's own kernel and sending back the parameters it made (async: each push in turn; sync: the mean of both workers' pushes, both waiting for it), what a PS with no cost of its own beyond the bytes and the update would reach; ceiling = the same worker processes computing gradients with "
     "no PS and no bytes at all (both with TensorFlow's thread pools sized as tfps local sizes each replica's); "
     "bf16 wire = spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
 )
@@ -68,6 +70,11 @@ RATIOS: tuple[RatioDef, ...] = (
     # The TF goals hold for the bfloat16 wire too, an option that compresses gradients.
     RatioDef("async_bf16_vs_tf", "tfps_async_bf16", "tf_pss", "tfps async bf16 wire / TF strategy", {"670k": 1.6, "5.8M": 1.1}),
     RatioDef("async_bf16_vs_limit", "tfps_async_bf16", "limit", "tfps async bf16 wire / bytes-inclusive limit (float32 bytes)", {}),
+    # What the update itself costs, and tfps against a PS that has no other cost (no goals: references)
+    RatioDef("async_vs_limit_update", "tfps_async", "limit_update_async", "tfps async / limit + update, async", {}),
+    RatioDef("sync_vs_limit_update", "tfps_sync", "limit_update_sync", "tfps sync / limit + update, sync", {}),
+    RatioDef("limit_update_async_vs_limit", "limit_update_async", "limit", "limit + update, async / bytes-inclusive limit", {}),
+    RatioDef("limit_update_sync_vs_limit", "limit_update_sync", "limit", "limit + update, sync / bytes-inclusive limit", {}),
     RatioDef("limit_vs_ceiling", "limit", "ceiling", "bytes-inclusive limit / ceiling", {}),
     RatioDef("tf_vs_ceiling", "tf_pss", "ceiling", "TF strategy / ceiling", {}),
 )

@@ -8,9 +8,9 @@ from tfps.bench import report
 from tfps.bench.main import build_report
 
 SHAPE_670K = [
-    {"limit": 15000.0, "ceiling": 20000.0, "tf_pss": 6000.0, "tfps_async": 12000.0, "tfps_sync": 6600.0, "tfps_async_bf16": 13000.0},
-    {"limit": 8000.0, "ceiling": 10000.0, "tf_pss": 3000.0, "tfps_async": 4500.0, "tfps_sync": 2700.0, "tfps_async_bf16": 5000.0},
-    {"limit": 12000.0, "ceiling": 18000.0, "tf_pss": 5000.0, "tfps_async": 9000.0, "tfps_sync": None, "tfps_async_bf16": 10000.0},
+    {"limit": 15000.0, "limit_update_async": 13500.0, "limit_update_sync": 11000.0, "ceiling": 20000.0, "tf_pss": 6000.0, "tfps_async": 12000.0, "tfps_sync": 6600.0, "tfps_async_bf16": 13000.0},
+    {"limit": 8000.0, "limit_update_async": 6000.0, "limit_update_sync": 3000.0, "ceiling": 10000.0, "tf_pss": 3000.0, "tfps_async": 4500.0, "tfps_sync": 2700.0, "tfps_async_bf16": 5000.0},
+    {"limit": 12000.0, "limit_update_async": 10000.0, "limit_update_sync": 9000.0, "ceiling": 18000.0, "tf_pss": 5000.0, "tfps_async": 9000.0, "tfps_sync": None, "tfps_async_bf16": 10000.0},
 ]
 
 
@@ -37,6 +37,17 @@ def test_goals_met_and_missed_by_percent():
     # the compute-only ceiling is a reference without a goal
     assert out["async_vs_ceiling"]["median"] == pytest.approx(0.5) and out["async_vs_ceiling"]["goal"] is None
     assert out["tf_vs_ceiling"]["goal"] is None and out["tf_vs_ceiling"]["text"] == ""
+
+
+def test_the_limit_with_the_update_is_a_paired_reference_without_a_goal():
+    out = report.summarize_shape("670k", SHAPE_670K)["ratios"]
+    # what the update costs: 13500/15000, 6000/8000, 10000/12000
+    assert out["limit_update_async_vs_limit"]["values"] == pytest.approx([0.9, 0.75, 10000 / 12000])
+    # tfps against a PS with no cost beyond the bytes and the update: 12000/13500, 4500/6000, 9000/10000
+    assert out["async_vs_limit_update"]["median"] == pytest.approx(12000 / 13500)
+    assert out["sync_vs_limit_update"]["values"] == pytest.approx([0.6, 0.9, None])
+    for key in ("async_vs_limit_update", "sync_vs_limit_update", "limit_update_async_vs_limit", "limit_update_sync_vs_limit"):
+        assert out[key]["goal"] is None and out[key]["text"] == ""
 
 
 def test_goals_differ_per_shape():
