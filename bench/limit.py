@@ -73,7 +73,8 @@ class Answerer:
                     outbox = bytes(pull)
                 if not _recv_exact(conn, memoryview(inbox)[:push]):
                     return
-                if self.update == "none" or push % 4 or (push and push != pull):
+                dense = not push % 4 and push in (0, pull)  # one dense model's float32 gradients, or a pull alone
+                if self.update == "none" or not dense:
                     conn.sendall(memoryview(outbox)[:pull])
                 else:
                     conn.sendall(memoryview(self._parameters(np.frombuffer(inbox, np.float32, push // 4), pull // 4)).cast("B"))
@@ -99,7 +100,9 @@ class Answerer:
                 if len(self.pushes) >= self.live or time.monotonic() >= deadline:
                     *others, last = self.pushes
                     self.pushes = []
-                    self._apply(last, np.sum(others, axis=0) if len(others) > 1 else (others[0] if others else None), 1 + len(others))
+                    # the kernel adds `plus` in its pass (as the PS's sync step does): no sum for two workers
+                    plus = others[0] if len(others) == 1 else (np.sum(others, axis=0) if others else None)
+                    self._apply(last, plus, 1 + len(others))
                     self.cond.notify_all()
                 else:
                     self.cond.wait(deadline - time.monotonic())
