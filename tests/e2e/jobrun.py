@@ -4,6 +4,7 @@ faults are injected."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -210,14 +211,15 @@ class JobRun:
         return self.core.read_namespaced_pod(f"{self.name}-{rtype}-{index}", self.namespace)
 
     def metric(self, rtype: str, index: int, name: str, timeout: float = 3) -> float | None:
-        """A metric the pod serves on its IP (port 9090), or None when it does not answer."""
+        """A metric the pod serves on its IP (port 9090), or None when it does not answer, or
+        stops answering mid-reply (a pod being deleted: http.client.IncompleteRead)."""
         try:
             ip = self.pod(rtype, index).status.pod_ip
             if not ip:
                 return None
             with _NO_PROXY.open(f"http://{ip}:9090/metrics", timeout=timeout) as resp:
                 text = resp.read().decode()
-        except (OSError, ApiException):
+        except (OSError, http.client.HTTPException, ApiException):
             return None
         m = re.search(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)
         return float(m.group(1)) if m else None
