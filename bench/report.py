@@ -23,7 +23,10 @@ SYSTEMS: dict[str, str] = {
 LEGEND = (
     "TF strategy = tf.distribute ParameterServerStrategy with ClusterCoordinator; bytes-inclusive limit = the same "
     "worker processes computing the same gradients and moving each step's push and pull bytes over plain sockets "
-    "to a process that only answers (no optimizer); limit + update = the same, the answering process also applying SGD's update with the PS's own kernel and sending back the parameters it made (async: each push in turn; sync: the mean of both workers' pushes, both waiting for it), what a PS with no cost of its own beyond the bytes and the update would reach; ceiling = the same worker processes computing gradients with "
+    "to a process that only answers (no optimizer); limit + update = the same, the answering process also "
+    "applying SGD's update with the PS's own kernel and sending back the parameters it made (async: each push in "
+    "turn; sync: the mean of both workers' pushes, both waiting for it), what a PS with no cost of its own beyond "
+    "the bytes and the update would reach; ceiling = the same worker processes computing gradients with "
     "no PS and no bytes at all (both with TensorFlow's thread pools sized as tfps local sizes each replica's); "
     "bf16 wire = spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
 )
