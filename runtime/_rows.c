@@ -1,6 +1,6 @@
-/* A PS's update kernels: the checks of a request (its rows; its gradients free of NaN and Inf),
-   the optimizer updates of the embedding rows it touches, and the dense updates, each one pass
-   in C.
+/* A PS's update kernels: the decoding and checks of a request (its rows; its gradients free of
+   NaN and Inf), the optimizer updates of the embedding rows it touches, and the dense updates,
+   each one pass in C.
 
    In NumPy an update of k rows is a gather of the rows (and of each slot's rows), several
    whole-array passes over the gathered copies and a scatter back, with a return to the
@@ -35,6 +35,13 @@ static inline uint32_t nonfinite(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
     return (u & EXPONENT) == EXPONENT;
+}
+
+/* 1 when none of the n floats is a NaN or an Inf. Not inlined: a loop of its own vectorises. */
+__attribute__((noinline)) static int finite_floats(const float *restrict x, Py_ssize_t n) {
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
+    return !bad;
 }
 
 static void release(Buf *bufs, int n) {
@@ -478,14 +485,208 @@ static PyObject *all_finite(PyObject *self, PyObject *obj) {
         release(&b, 1);
         return NULL;
     }
-    const float *x = b.view.buf;
     Py_ssize_t n = b.view.len / (Py_ssize_t)sizeof(float);
-    uint32_t bad = 0;
     PyThreadState *saved = n >= LARGE ? PyEval_SaveThread() : NULL; /* the GIL, released for a long pass */
-    for (Py_ssize_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
+    int finite = finite_floats(b.view.buf, n);
     if (saved) PyEval_RestoreThread(saved);
     release(&b, 1);
-    return PyBool_FromLong(!bad);
+    return PyBool_FromLong(finite);
+}
+
+
+/* ---- a Step request's common shape, decoded and checked in one call ----------------------
+
+   parse_request(data, layout, check_dense) decodes a wire message (runtime/wire.py) whose every
+   tensor is one the shard expects, as a worker sends it: its dense gradients (float32, the
+   part's shape; with check_dense free of NaN and Inf), each table's rows as indices (int64,
+   strictly increasing, inside the table) followed by their gradients (float32, finite), and the
+   rows it asks for (int64, inside the table). It returns (meta, dense, sparse, rows): the
+   header's meta, {part: gradient}, {part: (indices, gradients)} and {part: rows}, each tensor a
+   NumPy view of `data`. Anything else (a message malformed in any way, bfloat16 gradients,
+   repeated or unsorted rows, an unknown name) gives None, and the shard's Python checks, which
+   name what is wrong, take the message instead: this is the fast path of the requests the PS
+   answers all the time, never a second set of rules. `layout` maps each tensor name the shard
+   accepts to (kind, part, shape): kind 0 a dense part (shape: its shape), 1 a table's indices,
+   2 their gradients, 3 the rows asked for (shape: the table's (rows, width)). */
+
+static PyObject *np_frombuffer, *np_float32, *np_int64, *json_loads;
+
+static int parse_setup(void) {
+    if (json_loads) return 0;
+    PyObject *json = PyImport_ImportModule("json"), *np = json ? PyImport_ImportModule("numpy") : NULL;
+    if (np) {
+        json_loads = PyObject_GetAttrString(json, "loads");
+        np_frombuffer = PyObject_GetAttrString(np, "frombuffer");
+        PyObject *dtype = PyObject_GetAttrString(np, "dtype");
+        if (dtype) {
+            np_float32 = PyObject_CallFunction(dtype, "s", "float32");
+            np_int64 = PyObject_CallFunction(dtype, "s", "int64");
+            Py_DECREF(dtype);
+        }
+    }
+    Py_XDECREF(json);
+    Py_XDECREF(np);
+    if (!json_loads || !np_frombuffer || !np_float32 || !np_int64) {
+        Py_CLEAR(json_loads);
+        return -1;
+    }
+    return 0;
+}
+
+/* A non-negative C integer from a Python int (not a bool); -1 when it is anything else. */
+static Py_ssize_t count_of(PyObject *obj) {
+    if (!PyLong_CheckExact(obj)) return -1;
+    Py_ssize_t v = PyLong_AsSsize_t(obj);
+    if (v < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return v;
+}
+
+/* The tensor at `offset` of `data` as a NumPy view of `n` items of `dtype`, in `rows` x `cols`
+   (cols < 0: 1-D) or in `shape` (a tuple) when given. */
+static PyObject *view_at(PyObject *data, PyObject *dtype, Py_ssize_t n, Py_ssize_t offset, Py_ssize_t rows,
+                         Py_ssize_t cols, PyObject *shape) {
+    PyObject *flat = PyObject_CallFunction(np_frombuffer, "OOnn", data, dtype, n, offset);
+    if (!flat || (cols < 0 && !shape)) return flat;
+    PyObject *out = shape ? PyObject_CallMethod(flat, "reshape", "(O)", shape) : PyObject_CallMethod(flat, "reshape", "nn", rows, cols);
+    Py_DECREF(flat);
+    return out;
+}
+
+
+/* 1 when the k rows are inside 0..n-1 (and, with `increasing`, strictly increasing). */
+static int rows_ok(const char *p, Py_ssize_t k, Py_ssize_t n, int increasing) {
+    const int64_t *r = (const int64_t *)p;
+    int ok = 1;
+    int64_t prev = -1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        ok &= (r[i] >= 0) & (r[i] < n) & (!increasing | (r[i] > prev));
+        prev = r[i];
+    }
+    return ok;
+}
+
+#define DECLINE goto decline
+
+static PyObject *parse_request(PyObject *self, PyObject *args) {
+    PyObject *data, *layout;
+    int check_dense;
+    if (!PyArg_ParseTuple(args, "OO!p", &data, &PyDict_Type, &layout, &check_dense)) return NULL;
+    if (parse_setup() < 0) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(data, &v, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *head = NULL, *dense = NULL, *sparse = NULL, *pulled = NULL, *indices = NULL, *result = NULL;
+    const char *buf = v.buf;
+    Py_ssize_t total = v.len;
+    if (total < 4) DECLINE;
+    uint32_t hlen;
+    memcpy(&hlen, buf, 4); /* little-endian, as every machine this runs on */
+    Py_ssize_t start = 4 + (Py_ssize_t)hlen;
+    if (start > total) DECLINE;
+    PyObject *text = PyBytes_FromStringAndSize(buf + 4, hlen);
+    if (!text) goto fail;
+    head = PyObject_CallOneArg(json_loads, text);
+    Py_DECREF(text);
+    if (!head) {
+        PyErr_Clear();
+        DECLINE;
+    }
+    if (!PyDict_CheckExact(head)) DECLINE;
+    PyObject *meta = PyDict_GetItemString(head, "meta"), *entries = PyDict_GetItemString(head, "tensors");
+    PyObject *align_obj = PyDict_GetItemString(head, "align");
+    Py_ssize_t align = align_obj ? count_of(align_obj) : 1;
+    if (!meta || !PyDict_CheckExact(meta) || !entries || !PyList_CheckExact(entries) || align < 1 || align > 4096) DECLINE;
+    dense = PyDict_New();
+    sparse = PyDict_New();
+    pulled = PyDict_New();
+    indices = PyDict_New(); /* part -> its indices, until their gradients come */
+    if (!dense || !sparse || !pulled || !indices) goto fail;
+    Py_ssize_t offset = start, count = PyList_GET_SIZE(entries);
+    for (Py_ssize_t e = 0; e < count; e++) {
+        PyObject *entry = PyList_GET_ITEM(entries, e);
+        if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 4) DECLINE;
+        PyObject *name = PyList_GET_ITEM(entry, 0), *wire_dtype = PyList_GET_ITEM(entry, 1);
+        PyObject *shape = PyList_GET_ITEM(entry, 2), *nbytes_obj = PyList_GET_ITEM(entry, 3);
+        PyObject *expect = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(layout, name) : NULL;
+        if (!expect) {
+            if (PyErr_Occurred()) goto fail;
+            DECLINE;
+        }
+        long kind;
+        PyObject *part, *want;
+        if (!PyArg_ParseTuple(expect, "lOO", &kind, &part, &want)) goto fail;
+        if (!PyUnicode_CheckExact(wire_dtype) || !PyList_CheckExact(shape)) DECLINE;
+        int is_float = PyUnicode_CompareWithASCIIString(wire_dtype, "float32") == 0;
+        if (!is_float && PyUnicode_CompareWithASCIIString(wire_dtype, "int64") != 0) DECLINE;
+        if (is_float != (kind == 0 || kind == 2)) DECLINE;
+        Py_ssize_t ndim = PyList_GET_SIZE(shape), items = 1, dims[8];
+        if (ndim > 8) DECLINE;
+        for (Py_ssize_t i = 0; i < ndim; i++) {
+            dims[i] = count_of(PyList_GET_ITEM(shape, i));
+            if (dims[i] < 0 || (dims[i] && items > PY_SSIZE_T_MAX / 8 / dims[i])) DECLINE;
+            items *= dims[i];
+        }
+        Py_ssize_t nbytes = count_of(nbytes_obj);
+        if (nbytes != items * (is_float ? 4 : 8)) DECLINE;
+        offset += (align - offset % align) % align;
+        if (offset > total || nbytes > total - offset) DECLINE;
+        const char *at = buf + offset;
+        Py_ssize_t table_rows = 0, width = 0;
+        if (kind != 0 && !PyArg_ParseTuple(want, "nn", &table_rows, &width)) goto fail;
+        PyObject *arr = NULL, *target = NULL, *key = part;
+        if (kind == 0) { /* a dense gradient: the part's shape exactly */
+            if (!PyTuple_CheckExact(want) || PyTuple_GET_SIZE(want) != ndim) DECLINE;
+            for (Py_ssize_t i = 0; i < ndim; i++)
+                if (PyLong_AsSsize_t(PyTuple_GET_ITEM(want, i)) != dims[i]) DECLINE;
+            if (check_dense && !finite_floats((const float *)at, items)) DECLINE;
+            arr = view_at(data, np_float32, items, offset, 0, -1, want);
+            target = dense;
+        } else if (kind == 1 || kind == 3) { /* rows: 1-D, inside the table; a push's strictly increasing */
+            if (ndim != 1 || !rows_ok(at, items, table_rows, kind == 1)) DECLINE;
+            arr = view_at(data, np_int64, items, offset, 0, -1, NULL);
+            target = kind == 1 ? indices : pulled;
+        } else { /* gradients of the indices that came just before them */
+            PyObject *idx = PyDict_GetItemWithError(indices, part);
+            if (!idx) {
+                if (PyErr_Occurred()) goto fail;
+                DECLINE;
+            }
+            if (ndim != 2 || dims[0] != PyObject_Length(idx) || dims[1] != width || !finite_floats((const float *)at, items)) DECLINE;
+            arr = view_at(data, np_float32, items, offset, dims[0], dims[1], NULL);
+            if (arr) {
+                PyObject *pair = PyTuple_Pack(2, idx, arr);
+                Py_DECREF(arr);
+                arr = pair;
+            }
+            target = sparse;
+        }
+        if (!arr) goto fail;
+        int known = PyDict_Contains(target, key);
+        int stored = known == 0 ? PyDict_SetItem(target, key, arr) : -1;
+        Py_DECREF(arr);
+        if (known < 0 || (known == 0 && stored < 0)) goto fail;
+        if (known) DECLINE; /* a name twice */
+        if (kind == 2 && PyDict_DelItem(indices, part) < 0) goto fail;
+        offset += nbytes;
+    }
+    if (offset != total || PyDict_GET_SIZE(indices)) DECLINE; /* trailing bytes; indices without gradients */
+    result = PyTuple_Pack(4, meta, dense, sparse, pulled);
+    goto done;
+decline:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    Py_XDECREF(head);
+    Py_XDECREF(dense);
+    Py_XDECREF(sparse);
+    Py_XDECREF(pulled);
+    Py_XDECREF(indices);
+    PyBuffer_Release(&v);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -500,6 +701,7 @@ static PyMethodDef methods[] = {
     {"dense_momentum", dense_momentum, METH_VARARGS, "dense_momentum(var, grad, out, accum, accum_out, lr, mu[, plus, scale])"},
     {"dense_adam", dense_adam, METH_VARARGS, "dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps[, plus, scale])"},
     {"dense_adagrad", dense_adagrad, METH_VARARGS, "dense_adagrad(var, grad, out, accum, accum_out, lr, eps[, plus, scale])"},
+    {"parse_request", parse_request, METH_VARARGS, "parse_request(data, layout, check_dense) -> (meta, dense, sparse, rows), or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-from tfps.runtime import wire
+from tfps.runtime import _rows, wire
 from tfps.runtime.datapath import DataConnection
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.api.spec import TrainingSpec
+from tfps.api.spec import ConsistencyMode, TrainingSpec
 
 pytestmark = pytest.mark.integration
 
@@ -267,3 +267,67 @@ def test_stream_over_the_size_limit_is_refused(cluster):
     assert "oversize" in err.value.details()
     assert _rejected(cluster, "oversize") == count + 1
     _assert_alive_and_unchanged(cluster, before, version)
+
+
+def _worker_shaped(**changes) -> dict:
+    """The tensors of a request as a worker sends them every step: dense gradients, a table's
+    rows (sorted, each once) with their gradients, and the rows the next batch needs."""
+    tensors = {"dense_0/kernel": np.full((4 * 16 + 8, 64), 0.25, np.float32),
+               "embedding:indices": np.array([2, 5, 9], np.int64), "embedding:values": np.full((3, 16), 0.5, np.float32),
+               "embedding:rows": np.array([9, 1, 4, 7], np.int64)}
+    tensors.update(changes)
+    return {k: v for k, v in tensors.items() if v is not None}
+
+
+def _python_checks(shard, data: bytes):
+    return shard._parse(wire.decode(data))
+
+
+def test_the_fast_decoding_of_a_worker_step_agrees_with_the_python_checks(cluster):
+    """A worker's usual request is decoded and checked in one pass in C (_rows.parse_request):
+    it finds the same fields and tensors as the Python checks, each a view of the message."""
+    shard = cluster.shards[0]
+    data = wire.encode({"worker": 0, "tag": 3, "seq": 2, "pull": True, "batch": 4, "loss": 0.5}, _worker_shaped())
+    assert _rows.parse_request(data, shard._layout, False) is not None
+    fast, slow = shard._decode(data), _python_checks(shard, data)
+    fields = lambda r: (r.push.worker, r.push.tag, r.push.seq, r.push.batch, r.push.loss, r.pull, r.min_version, r.want_dense)  # noqa: E731
+    assert fields(fast) == fields(slow) == (0, 3, 2, 4, 0.5, True, 0, True)
+    assert fast.push.dense.keys() == slow.push.dense.keys() == {"dense_0/kernel"}
+    np.testing.assert_array_equal(fast.push.dense["dense_0/kernel"], slow.push.dense["dense_0/kernel"])
+    assert fast.push.dense["dense_0/kernel"].shape == (4 * 16 + 8, 64)
+    for (fi, fv), (si, sv) in zip(fast.push.sparse.values(), slow.push.sparse.values(), strict=True):
+        np.testing.assert_array_equal(fi, si)
+        np.testing.assert_array_equal(fv, sv)
+        assert fv.shape == (3, 16) and fv.dtype == np.float32 and fi.dtype == np.int64
+    np.testing.assert_array_equal(fast.rows["embedding"], [9, 1, 4, 7])
+    assert not fast.push.dense["dense_0/kernel"].flags.owndata  # a view of the message, not a copy
+
+
+@pytest.mark.parametrize("tensors", [
+    _worker_shaped(**{"embedding:indices": np.array([5, 2, 9], np.int64)}),  # unsorted: summed per row by the Python path
+    _worker_shaped(**{"embedding:indices": np.array([2, 2, 9], np.int64)}),  # a row twice
+    _worker_shaped(**{"dense_0/kernel": np.full((4 * 16 + 8, 64), 0.25, np.float32).astype(wire.dtype("bfloat16"))}),
+    {"embedding:values": np.full((3, 16), 0.5, np.float32), "embedding:indices": np.array([2, 5, 9], np.int64)},  # values first
+], ids=["unsorted", "repeated", "bfloat16", "values-first"])
+def test_requests_of_another_shape_are_left_to_the_python_checks(cluster, tensors):
+    """Valid requests that are not the usual shape: the fast decoding declines them, and the
+    Python checks take them as before."""
+    shard = cluster.shards[0]
+    data = wire.encode({"worker": 0, "tag": 0, "pull": False, "batch": 1}, tensors)
+    assert _rows.parse_request(data, shard._layout, False) is None
+    req = shard._decode(data)
+    assert set(req.push.dense) | set(req.push.sparse) == {k.partition(":")[0] for k in tensors if not k.endswith(":rows")}
+
+
+@pytest.mark.parametrize("reason, data", _bad_requests(), ids=[r for r, _ in _bad_requests()])
+def test_the_fast_decoding_takes_no_malformed_tensor(cluster, reason, data):
+    """Every malformed request either goes to the Python checks or, where only its fields are
+    wrong, is refused by them with the same reason."""
+    shard = cluster.shards[0]
+    fast = _rows.parse_request(data, shard._layout, shard.mode is ConsistencyMode.SYNC)
+    if fast is not None:  # its tensors are good: only the meta is wrong, or the update's own pass finds a NaN
+        assert reason in ("malformed", "non_finite")
+    with pytest.raises(wire.WireError) as err:
+        req = shard._decode(data)
+        shard._dense_updates(req.push.dense)
+    assert err.value.reason == reason
