@@ -70,6 +70,19 @@ static int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, c
     return 0;
 }
 
+/* 1 when the k rows are all inside 0..n-1; *increasing: whether they are strictly increasing. */
+static int scan_rows(const int64_t *r, Py_ssize_t k, long long n, int *increasing) {
+    int inside = 1, up = 1;
+    int64_t prev = -1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        inside &= (r[i] >= 0) & (r[i] < n);
+        up &= r[i] > prev;
+        prev = r[i];
+    }
+    *increasing = up;
+    return inside;
+}
+
 /* check_rows(rows, n) -> True when the rows are strictly increasing (sorted, none repeated);
    ValueError when one is outside 0..n-1. */
 static PyObject *check_rows(PyObject *self, PyObject *args) {
@@ -81,17 +94,10 @@ static PyObject *check_rows(PyObject *self, PyObject *args) {
         release(&b, 1);
         return NULL;
     }
-    const int64_t *r = b.view.buf;
-    Py_ssize_t k = b.view.shape[0];
-    int increasing = 1, outside = 0;
-    int64_t prev = -1;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        outside |= (r[i] < 0) | (r[i] >= n);
-        increasing &= r[i] > prev;
-        prev = r[i];
-    }
+    int increasing;
+    int inside = scan_rows(b.view.buf, b.view.shape[0], n, &increasing);
     release(&b, 1);
-    if (outside) {
+    if (!inside) {
         PyErr_Format(PyExc_ValueError, "row index outside 0..%lld", n - 1);
         return NULL;
     }
@@ -556,18 +562,6 @@ static PyObject *view_at(PyObject *data, PyObject *dtype, Py_ssize_t n, Py_ssize
 }
 
 
-/* 1 when the k rows are inside 0..n-1 (and, with `increasing`, strictly increasing). */
-static int rows_ok(const char *p, Py_ssize_t k, Py_ssize_t n, int increasing) {
-    const int64_t *r = (const int64_t *)p;
-    int ok = 1;
-    int64_t prev = -1;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        ok &= (r[i] >= 0) & (r[i] < n) & (!increasing | (r[i] > prev));
-        prev = r[i];
-    }
-    return ok;
-}
-
 #define DECLINE goto decline
 
 static PyObject *parse_request(PyObject *self, PyObject *args) {
@@ -641,10 +635,11 @@ static PyObject *parse_request(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < ndim; i++)
                 if (PyLong_AsSsize_t(PyTuple_GET_ITEM(want, i)) != dims[i]) DECLINE;
             if (check_dense && !finite_floats((const float *)at, items)) DECLINE;
-            arr = view_at(data, np_float32, items, offset, 0, -1, want);
+            arr = view_at(data, np_float32, items, offset, 0, -1, ndim == 1 ? NULL : want); /* 1-D: no reshape */
             target = dense;
         } else if (kind == 1 || kind == 3) { /* rows: 1-D, inside the table; a push's strictly increasing */
-            if (ndim != 1 || !rows_ok(at, items, table_rows, kind == 1)) DECLINE;
+            int increasing;
+            if (ndim != 1 || !scan_rows((const int64_t *)at, items, table_rows, &increasing) || (kind == 1 && !increasing)) DECLINE;
             arr = view_at(data, np_int64, items, offset, 0, -1, NULL);
             target = kind == 1 ? indices : pulled;
         } else { /* gradients of the indices that came just before them */
