@@ -24,6 +24,7 @@ SLOTS = {
     OptimizerName.ADAGRAD: ("accumulator",),
 }
 _F32 = np.float32
+_INT64_MAX = np.iinfo(np.int64).max  # check_rows' bound when only the order is asked
 
 
 class NonFiniteGradient(ValueError):
@@ -32,7 +33,7 @@ class NonFiniteGradient(ValueError):
 
 def sum_duplicates(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows, each once; their values, summed over repeats)."""
-    if len(rows) < 2 or bool((rows[1:] > rows[:-1]).all()):  # already sorted and unique, as workers send them
+    if len(rows) < 2 or _increasing(rows):  # already sorted and unique, as workers send them
         return rows, values
     uniq, inverse = np.unique(rows, return_inverse=True)
     if len(uniq) == len(rows):
@@ -40,6 +41,14 @@ def sum_duplicates(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
     summed = np.zeros((len(uniq), *values.shape[1:]), np.float32)
     np.add.at(summed, inverse.reshape(-1), values)
     return uniq, summed
+
+
+def _increasing(rows: np.ndarray) -> bool:
+    """Whether `rows` are strictly increasing: one pass in C for the int64 rows a PS is sent
+    (a tenth of NumPy's comparison and reduction, each call of which makes a temporary)."""
+    if rows.dtype == np.int64 and rows.ndim == 1 and rows.flags.c_contiguous:
+        return _rows.check_rows(rows, _INT64_MAX)
+    return bool((rows[1:] > rows[:-1]).all())
 
 
 class ShardOptimizer:
