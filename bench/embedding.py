@@ -89,8 +89,9 @@ def measure_anchor(shape: EmbeddingShape, optimizer: str, learning_rate: float, 
 
 def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool) -> tuple[dict, list[str]]:
     """One repeat of one embedding shape, back to back: the bytes-inclusive limit, then per
-    optimizer TF's strategy and tfps async; with `checkpoints`, tfps async Adam once more while
-    checkpoints are written (about three in the run), for its longest step."""
+    optimizer the limit with that optimizer's update (a reference), TF's strategy and tfps async;
+    with `checkpoints`, tfps async Adam once more while checkpoints are written (about three in
+    the run), for its longest step."""
     from . import limit, tfps_side
 
     rep = Repeat(shape.name, progress, {})
@@ -98,6 +99,7 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
     for optimizer in OPTIMIZERS:
         rep.row[f"state_{optimizer}:shard"] = shard_state_bytes(shape, optimizer)
         lr = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
+        rep.attempt(f"limit_update_{optimizer}", partial(limit.run, shape, cfg, "async", optimizer, lr), ("bytes_per_step",))
         rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, lr, cfg), ("ps_peak_rss",))
         key = f"tfps_{optimizer}"
         rate = hints.get(key) or 0.8 * (rep.row.get("limit") or 20_000.0)

@@ -16,6 +16,12 @@ parameters it made: each push applied in turn (async), or one update with the me
 connected worker's push, every worker waiting for it (sync). That is what a PS with no cost of
 its own beyond the bytes and the update would reach: the share of the limit that no PS
 applying updates can have back.
+
+A model with embedding tables takes `--update async` too, with `--optimizer` (sgd or adam): its
+push then also carries the row ids, those of the rows its gradients are for and those of the
+rows it asks back (`_RowsLayout`), and the answering process holds the whole tables and their
+slots, updates only the touched rows with the PS's row kernels (lazily, as the PS does) and
+sends back the rows asked for, taken from the tables.
 """
 from __future__ import annotations
 
@@ -40,23 +46,75 @@ UPDATES = ("none", "async", "sync")
 SYNC_WAIT_SECONDS = 0.5
 
 
+class _RowsLayout:
+    """A push with embedding tables when the answering process updates them (all little-endian):
+
+        counts  = int64 [has gradients, rows pushed per table..., rows asked for per table...]
+        ids     = int64, each table's pushed rows, then each table's rows asked for
+        dense   = float32, every dense gradient in the model's order (when it has gradients)
+        rows    = float32, each table's pushed rows' gradients
+
+    Its answer: the dense parameters, then each table's rows asked for (float32)."""
+
+    def __init__(self, dense_size: int, widths: list[int]):
+        self.dense_size, self.widths = dense_size, widths
+
+    def push(self, grads: list[np.ndarray], pushed: list[np.ndarray], wanted: list[np.ndarray]) -> list[np.ndarray]:
+        """`grads`: the dense gradients then each table's (none: a pull alone); `pushed`, `wanted`: ids per table."""
+        counts = np.array([1 if grads else 0, *(len(i) for i in pushed), *(len(i) for i in wanted)], np.int64)
+        return [counts, *(np.asarray(i, np.int64) for i in [*pushed, *wanted]), *grads]
+
+    def split(self, view: memoryview) -> tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+        """(the dense gradients as one array or None, each table's (ids, gradients), each table's ids asked for)."""
+        tables = len(self.widths)
+        counts = np.frombuffer(view, np.int64, 1 + 2 * tables)
+        offset = counts.nbytes
+        ids = []
+        for n in counts[1:]:
+            ids.append(np.frombuffer(view, np.int64, int(n), offset))
+            offset += 8 * int(n)
+        if not counts[0]:
+            return None, [], ids[tables:]
+        dense = np.frombuffer(view, np.float32, self.dense_size, offset)
+        offset += dense.nbytes
+        pushed = []
+        for rows, width in zip(ids[:tables], self.widths, strict=True):
+            grad = np.frombuffer(view, np.float32, len(rows) * width, offset).reshape(len(rows), width)
+            pushed.append((rows, grad))
+            offset += grad.nbytes
+        return dense, pushed, ids[tables:]
+
+
 class Answerer:
     """The process that only answers: reads each push whole and sends back as many bytes as
     asked for, until the peer closes. With an `update` ("async" or "sync"), pushes and pulls
     are one dense model's gradients and parameters (float32, in the same order), and the bytes
-    sent back are the parameters after the update (`ShardOptimizer`, the PS's kernel)."""
+    sent back are the parameters after the update (`ShardOptimizer`, the PS's kernel). With
+    `tables` (their shapes; async only), pushes follow `_RowsLayout` and the answering process
+    holds the tables and their optimizer slots."""
 
-    def __init__(self, update: str = "none", learning_rate: float = 0.01):
+    def __init__(self, update: str = "none", learning_rate: float = 0.01, optimizer: str = "sgd",
+                 dense_size: int = 0, tables: list[tuple[int, int]] | None = None):
         from tfps.api.spec import OptimizerSpec
         from tfps.runtime.optimizers import ShardOptimizer
 
         self.update = update
-        self.optimizer = ShardOptimizer(OptimizerSpec.model_validate({"name": "sgd", "learningRate": learning_rate}))
+        self.optimizer = ShardOptimizer(OptimizerSpec.model_validate({"name": optimizer, "learningRate": learning_rate}))
         self.cond = threading.Condition()
         self.params: np.ndarray | None = None  # replaced by each update, never changed in place
+        self.slots: dict[str, np.ndarray] = {}  # the dense parameters' optimizer slots, replaced alike
         self.version = 0
         self.live = 0  # connected workers: a sync step waits for a push from each
         self.pushes: list[np.ndarray] = []  # this sync step's so far
+        self.rows: _RowsLayout | None = None
+        if tables and update != "none":
+            if update != "async":
+                raise ValueError("a model with embedding tables takes the async update only")
+            self.rows = _RowsLayout(dense_size, [width for _, width in tables])
+            self._reset(dense_size)
+            # written whole now, as the PS's are: fresh zero pages faulted in at random rows would be timed
+            self.tables = [(np.full(shape, 0.01, np.float32), {s: self.optimizer.initial_slot(s, shape) for s in self.optimizer.slot_names()})
+                           for shape in tables]
 
     def answer(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -74,7 +132,10 @@ class Answerer:
                 if not _recv_exact(conn, memoryview(inbox)[:push]):
                     return
                 dense = not push % 4 and push in (0, pull)  # one dense model's float32 gradients, or a pull alone
-                if self.update == "none" or not dense:
+                if self.rows is not None:
+                    for piece in self._answer_rows(memoryview(inbox)[:push]):
+                        conn.sendall(memoryview(piece).cast("B"))
+                elif self.update == "none" or not dense:
                     conn.sendall(memoryview(outbox)[:pull])
                 else:
                     conn.sendall(memoryview(self._parameters(np.frombuffer(inbox, np.float32, push // 4), pull // 4)).cast("B"))
@@ -83,11 +144,32 @@ class Answerer:
                 self.live -= 1
                 self.cond.notify_all()  # a sync step no longer waits for this worker
 
+    def _reset(self, size: int) -> None:
+        self.params = np.zeros(size, np.float32)
+        self.slots = {s: self.optimizer.initial_slot(s, (size,)) for s in self.optimizer.slot_names()}
+
+    def _answer_rows(self, view: memoryview) -> list[np.ndarray]:
+        """Apply a `_RowsLayout` push (its dense gradients, then its rows', only those rows) and
+        answer the parameters and the rows asked for."""
+        from tfps.runtime import _rows
+
+        grad, pushed, wanted = self.rows.split(view)
+        with self.cond:
+            if grad is not None:
+                self._apply(grad)
+                for (table, slots), (ids, values) in zip(self.tables, pushed, strict=True):
+                    self.optimizer.apply_rows(table, slots, ids, values, self.version)
+            out = [self.params]
+            for (table, _), ids in zip(self.tables, wanted, strict=True):
+                out.append(np.empty((len(ids), table.shape[1]), np.float32))
+                _rows.take(table, ids, out[-1])
+        return out
+
     def _parameters(self, grad: np.ndarray, size: int) -> np.ndarray:
         """The parameters after this push's update (an empty push: the parameters as they are)."""
         with self.cond:
             if self.params is None or len(self.params) != size:
-                self.params = np.zeros(size, np.float32)
+                self._reset(size)
             if not len(grad):
                 return self.params
             if self.update == "async":
@@ -110,7 +192,7 @@ class Answerer:
 
     def _apply(self, grad: np.ndarray, plus: np.ndarray | None = None, count: int = 1) -> None:
         self.version += 1
-        self.params, _ = self.optimizer.apply_dense(self.params, {}, grad, self.version, plus, 1.0 / count, check=False)
+        self.params, self.slots = self.optimizer.apply_dense(self.params, self.slots, grad, self.version, plus, 1.0 / count, check=False)
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -165,6 +247,7 @@ def child(args: argparse.Namespace) -> None:
     grad_fn = make_grad_fn(model)
     dense = [p for p in model.params if not p.sparse]
     tables = model.sparse_params
+    layout = _RowsLayout(sum(p.size for p in dense), [t.shape[1] for t in tables]) if tables and args.update != "none" else None
     exchange = Exchange(args.port)
     state = {"step": 0}
 
@@ -177,10 +260,13 @@ def child(args: argparse.Namespace) -> None:
             out[feature] = inverse.reshape(x[feature].shape).astype(np.int64)
         return out, y, uniq
 
-    def pull(push: list, uniq: dict) -> dict:
-        """The parameters for the next step, as views of the received bytes."""
+    def pull(push: list, uniq: dict, pushed: dict | None = None) -> dict:
+        """The parameters for the next step, as views of the received bytes (`pushed`: the ids of
+        the rows whose gradients `push` holds)."""
         shapes = [(p.name, p.shape) for p in dense] + [(t.name, (len(uniq[t.feature]), *t.shape[1:])) for t in tables]
         sizes = [int(np.prod(s)) for _, s in shapes]
+        if layout is not None:
+            push = layout.push(push, [pushed[t.feature] if push else [] for t in tables], [uniq[t.feature] for t in tables])
         buf = exchange(push, 4 * sum(sizes)).view(np.float32)
         offsets = np.cumsum([0, *sizes])
         return {name: as_tensor(buf[a:b].reshape(shape)) for (name, shape), a, b in zip(shapes, offsets[:-1], offsets[1:], strict=True)}
@@ -193,8 +279,9 @@ def child(args: argparse.Namespace) -> None:
         _, grads = grad_fn(params, {k: as_tensor(v) for k, v in x.items()}, as_tensor(y))
         push = [np.asarray(grads[p.name]) for p in dense] + [np.asarray(grads[t.name]) for t in tables]
         state["step"] += 1
+        pushed = uniq
         x, y, uniq = unique_ids(state["step"])  # the rows the next batch needs ride along, as in tfps
-        params = pull(push, uniq)
+        params = pull(push, uniq, pushed)
 
     moved_before = exchange.moved
     steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)
@@ -206,16 +293,20 @@ def child(args: argparse.Namespace) -> None:
 def measure(args: argparse.Namespace) -> dict:
     from tfps.runtime.models import load_model
 
-    if args.update != "none" and load_model(args.model, json.loads(args.model_args), args.seed).sparse_params:
-        raise SystemExit("--update takes a dense model: the limit's push carries no row ids")
+    model = load_model(args.model, json.loads(args.model_args), args.seed)
+    tables = [t.shape for t in model.sparse_params]
+    if tables and args.update == "sync":
+        raise SystemExit("--update sync takes a dense model: a model with embedding tables takes --update async")
+    answerer = Answerer(args.update, args.learning_rate, args.optimizer, sum(p.size for p in model.params if not p.sparse), tables)
     listener = socket.create_server((LOOPBACK, 0))
-    threading.Thread(target=serve, args=(listener, Answerer(args.update, args.learning_rate)), daemon=True).start()
+    threading.Thread(target=serve, args=(listener, answerer), daemon=True).start()
     base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
             "--workers", str(args.workers), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
-            "--seed", str(args.seed), "--port", str(listener.getsockname()[1]), "--processes", str(args.processes)]
+            "--seed", str(args.seed), "--port", str(listener.getsockname()[1]), "--processes", str(args.processes),
+            "--update", args.update]
     results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
     return {
-        "system": "limit" if args.update == "none" else f"limit_update_{args.update}",
+        "system": "limit" if args.update == "none" else f"limit_update_{args.optimizer if tables else args.update}",
         "examples_per_second": sum(r["examples_per_second"] for r in results),
         "per_worker": [r["examples_per_second"] for r in results],
         "bytes_per_step": sum(r["bytes_per_step"] for r in results) / len(results),
@@ -225,13 +316,14 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def run(shape, cfg: dict, update: str = "none") -> dict:
+def run(shape, cfg: dict, update: str = "none", optimizer: str = "sgd", learning_rate: float | None = None) -> dict:
     """Measure the limit for a benchmark shape (bench/mlp.py's or bench/embedding.py's); with
-    `update`, the limit with the optimizer's update (dense shapes)."""
+    `update`, the limit with the optimizer's update (`optimizer`'s: embedding shapes, async)."""
+    lr = cfg["learning_rate"] if learning_rate is None else learning_rate
     cmd = module_cmd(MODULE, "--model", shape.model, "--model-args", json.dumps(shape.model_args), "--batch", str(shape.batch),
                      "--workers", str(shape.workers), "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
-                     "--processes", str(shape.workers + shape.ps), "--update", update, "--learning-rate", str(cfg["learning_rate"]))
-    what = "limit" if update == "none" else f"limit with the {update} update"
+                     "--processes", str(shape.workers + shape.ps), "--update", update, "--optimizer", optimizer, "--learning-rate", str(lr))
+    what = "limit" if update == "none" else f"limit with the {update} {optimizer} update"
     return run_json(cmd, STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"]), f"{what} ({shape.name})")
 
 
@@ -247,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--update", choices=UPDATES, default="none",
-                        help="the answering process also applies SGD's update to the parameters it sends back (dense models)")
+                        help="the answering process also applies the optimizer's update to the parameters it sends back (sync: dense models)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                        help="of that update: sgd, or adam for a model with embedding tables (lazy on their rows, as the PS's)")
     parser.add_argument("--learning-rate", type=float, default=0.01, help="of that update")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

@@ -8,9 +8,10 @@ tfps sync, and tfps async with bfloat16 on the wire (spec.training.wireDtype).
 
 Large-embedding shapes (bench/embedding.py: wide-deep with a 2M- and a 10M-row table × 64
 over 2 PS, batch 512, 2 workers, async): each repeat measures the limit that moves only the
-touched rows' bytes, then for SGD and for Adam TF's strategy and tfps, with the bytes through
-the PS per step and each process's peak RSS; on the 2M shape tfps Adam once more while
-checkpoints are written, for its longest step.
+touched rows' bytes, then for SGD and for Adam the limit with that optimizer's update of the
+touched rows, TF's strategy and tfps, with the bytes through the PS per step and each
+process's peak RSS; on the 2M shape tfps Adam once more while checkpoints are written, for its
+longest step.
 
 Ratios are taken within a repeat (paired) and the report gives their median over repeats,
 next to the goals it states (bench/report.py). Then PS push+pull goodput against raw TCP

@@ -32,8 +32,10 @@ LEGEND = (
 )
 EMBEDDING_SYSTEMS: dict[str, str] = {
     "limit": "bytes-inclusive limit",  # of the touched rows' bytes (EMBEDDING_LEGEND)
+    "limit_update_sgd": "limit + update, SGD",
     "tf_pss_sgd": "TF strategy, SGD",
     "tfps_sgd": "tfps async, SGD",
+    "limit_update_adam": "limit + update, Adam",
     "tf_pss_adam": "TF strategy, Adam",
     "tfps_adam": "tfps async, Adam",
     "tfps_adam_ckpt": "tfps async, Adam, checkpointing",
@@ -42,8 +44,10 @@ EMBEDDING_LEGEND = (
     "wide-deep, power-law ids, batch 512 per worker, 2 workers, 2 PS, async. TF strategy = ParameterServerStrategy "
     "training Keras 2 Embedding tables split over the PS by a variable partitioner; its Adam decays every row's slots "
     "each step, tfps's is lazy (only the touched rows). The limit moves only the touched rows' and the dense part's "
-    "bytes. PS state = the most loaded shard's parameters + optimizer slots. Checkpointing = about three checkpoints "
-    "of every shard written during the run."
+    "bytes. Limit + update = the same, the answering process also holding the tables and applying each push with the "
+    "PS's own kernels (the dense part, then only the touched rows: lazily for Adam) and sending back the rows asked "
+    "for, taken from its tables; its push also carries the row ids. PS state = the most loaded shard's parameters + "
+    "optimizer slots. Checkpointing = about three checkpoints of every shard written during the run."
 )
 
 
@@ -92,6 +96,9 @@ def _embedding_ratios(opt: str, name: str) -> tuple[RatioDef, ...]:
                  f"{name}: bytes on the wire per step / touched rows' + dense bytes", {"*": 1.2}, at_most=True),
         RatioDef(f"{opt}_ps_rss", f"{tfps}:ps_peak_rss", f"state_{opt}:shard",
                  f"{name}: PS peak RSS / its shard's parameters + slots", {"*": 1.3}, at_most=True),
+        # What the update itself costs, and tfps against a PS that has no other cost (no goals: references)
+        RatioDef(f"{opt}_vs_limit_update", tfps, f"limit_update_{opt}", f"tfps {name} / limit + update, {name}", {}),
+        RatioDef(f"limit_update_{opt}_vs_limit", f"limit_update_{opt}", "limit", f"limit + update, {name} / bytes-inclusive limit", {}),
     )
 
 
@@ -236,7 +243,7 @@ def _embedding_table(embedding: dict[str, Any]):
         for key, label in EMBEDDING_SYSTEMS.items():
             opt = key.rsplit("_", 2)[1] if key.startswith("tfps_adam") else key.rsplit("_", 1)[-1]
             wire = med.get(f"{key}:wire_bytes_per_step", med.get(f"{key}:bytes_per_step"))
-            state = med.get(f"state_{opt}:shard") if key != "limit" else None
+            state = med.get(f"state_{opt}:shard") if not key.startswith("limit") else None  # the limit's process holds whole tables
             table.add_row(name, label, _fmt_rate(med.get(key)), _mib(wire), _mib(med.get(f"{key}:ps_peak_rss")), _mib(state),
                           _mib(med.get(f"{key}:worker_peak_rss")), _ms(med.get(f"{key}:median_step")), _ms(med.get(f"{key}:longest_step")))
     return table

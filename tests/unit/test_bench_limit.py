@@ -1,5 +1,6 @@
 """The bytes-inclusive limit's answering process (bench/limit.py), over real loopback sockets:
-what it sends back with no update, with the async update and with the sync update."""
+what it sends back with no update, with the async update and with the sync update, and with the
+async update of a model's embedding tables (only the touched rows, the rows asked for back)."""
 import socket
 import threading
 
@@ -11,8 +12,8 @@ from tfps.bench import limit
 LR = 0.5
 
 
-def _start(update: str) -> tuple[int, limit.Answerer]:
-    answerer = limit.Answerer(update, LR)
+def _start(update: str, **tables) -> tuple[int, limit.Answerer]:
+    answerer = limit.Answerer(update, LR, **tables)
     listener = socket.create_server((limit.LOOPBACK, 0))
     threading.Thread(target=limit.serve, args=(listener, answerer), daemon=True).start()
     return listener.getsockname()[1], answerer
@@ -69,6 +70,44 @@ def test_sync_closes_a_step_without_a_worker_that_stays_silent(monkeypatch):
     silent.conn.close()
 
 
-def test_update_is_refused_for_a_model_with_embedding_tables():
+def test_the_sync_update_is_refused_for_a_model_with_embedding_tables():
     with pytest.raises(SystemExit, match="dense model"):
-        limit.main(["--model", "wide-deep", "--model-args", '{"vocabSize": 1000}', "--update", "async"])
+        limit.main(["--model", "wide-deep", "--model-args", '{"vocabSize": 1000}', "--update", "sync"])
+
+
+DENSE, ROWS, WIDTH = 3, 10, 2
+
+
+def _rows_exchange(exchange: limit.Exchange, grads: list, pushed: list, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the dense parameters, the rows asked for) sent back for one push of a 3-parameter dense part and a 10 x 2 table."""
+    layout = limit._RowsLayout(DENSE, [WIDTH])
+    out = exchange(layout.push(grads, [pushed], [wanted]), 4 * (DENSE + len(wanted) * WIDTH)).view(np.float32)
+    return out[:DENSE].copy(), out[DENSE:].reshape(len(wanted), WIDTH).copy()
+
+
+def test_tables_async_sgd_updates_only_the_pushed_rows_and_sends_back_the_rows_asked_for():
+    port, answerer = _start("async", optimizer="sgd", dense_size=DENSE, tables=[(ROWS, WIDTH)])
+    exchange = limit.Exchange(port)
+    params, rows = _rows_exchange(exchange, [], [], np.array([2, 5]))  # a pull alone
+    assert params == pytest.approx(np.zeros(DENSE)) and rows == pytest.approx(np.full((2, WIDTH), 0.01))
+    dense, table_grad = np.array([1.0, 2.0, 3.0], np.float32), np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    params, rows = _rows_exchange(exchange, [dense, table_grad], [1, 5], np.array([5, 7]))
+    assert params == pytest.approx(-LR * dense)
+    assert rows[0] == pytest.approx(0.01 - LR * table_grad[1]) and rows[1] == pytest.approx([0.01, 0.01])
+    table = answerer.tables[0][0]
+    assert table[1] == pytest.approx(0.01 - LR * table_grad[0])
+    assert np.all(table[[0, 2, 3, 4, 6, 7, 8, 9]] == np.float32(0.01))  # rows not pushed are not touched
+    assert answerer.version == 1
+
+
+def test_tables_async_adam_moves_only_the_pushed_rows_slots():
+    port, answerer = _start("async", optimizer="adam", dense_size=DENSE, tables=[(ROWS, WIDTH)])
+    exchange = limit.Exchange(port)
+    grad = np.ones((1, WIDTH), np.float32)
+    params, rows = _rows_exchange(exchange, [np.ones(DENSE, np.float32), grad], [4], np.array([4]))
+    # Adam's first step moves each parameter by about its learning rate, against the gradient's sign
+    assert params == pytest.approx(np.full(DENSE, -LR), rel=1e-3)
+    assert rows[0] == pytest.approx(0.01 - LR, rel=1e-3)
+    table, slots = answerer.tables[0]
+    assert np.all(slots["m"][4] != 0) and not np.any(np.delete(slots["m"], 4, axis=0))  # lazy: the other rows' moments stay
+    assert np.all(np.delete(table, 4, axis=0) == np.float32(0.01))
