@@ -14,8 +14,9 @@ With `--update async` or `--update sync` (dense models), the answering process a
 optimizer's update, with the PS's own kernel (runtime/optimizers.py), and what goes back is the
 parameters it made: each push applied in turn (async), or one update with the mean of every
 connected worker's push, every worker waiting for it (sync). That is what a PS with no cost of
-its own beyond the bytes and the update would reach: the share of the limit that no PS
-applying updates can have back.
+its own beyond the bytes and the update would reach with the update on each step's critical
+path: the workers here wait for every answer, where tfps's async workers compute the next step
+meanwhile, so tfps can pass it.
 
 A model with embedding tables takes `--update async` too, with `--optimizer` (sgd or adam): its
 push then also carries the row ids, those of the rows its gradients are for and those of the
@@ -110,6 +111,9 @@ class Answerer:
         if tables and update != "none":
             if update != "async":
                 raise ValueError("a model with embedding tables takes the async update only")
+            from tfps.runtime._rows import take
+
+            self._take = take
             self.rows = _RowsLayout(dense_size, [width for _, width in tables])
             self._reset(dense_size)
             # written whole now, as the PS's are: fresh zero pages faulted in at random rows would be timed
@@ -151,8 +155,6 @@ class Answerer:
     def _answer_rows(self, view: memoryview) -> list[np.ndarray]:
         """Apply a `_RowsLayout` push (its dense gradients, then its rows', only those rows) and
         answer the parameters and the rows asked for."""
-        from tfps.runtime import _rows
-
         grad, pushed, wanted = self.rows.split(view)
         with self.cond:
             if grad is not None:
@@ -162,7 +164,7 @@ class Answerer:
             out = [self.params]
             for (table, _), ids in zip(self.tables, wanted, strict=True):
                 out.append(np.empty((len(ids), table.shape[1]), np.float32))
-                _rows.take(table, ids, out[-1])
+                self._take(table, ids, out[-1])
         return out
 
     def _parameters(self, grad: np.ndarray, size: int) -> np.ndarray:

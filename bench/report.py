@@ -26,7 +26,8 @@ LEGEND = (
     "to a process that only answers (no optimizer); limit + update = the same, the answering process also "
     "applying SGD's update with the PS's own kernel and sending back the parameters it made (async: each push in "
     "turn; sync: the mean of both workers' pushes, both waiting for it), what a PS with no cost of its own beyond "
-    "the bytes and the update would reach; ceiling = the same worker processes computing gradients with "
+    "the bytes and the update would reach with the update on each step's critical path (tfps's async workers "
+    "compute meanwhile); ceiling = the same worker processes computing gradients with "
     "no PS and no bytes at all (both with TensorFlow's thread pools sized as tfps local sizes each replica's); "
     "bf16 wire = spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
 )
