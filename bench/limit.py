@@ -13,10 +13,10 @@ examples/s and the bytes moved per step. The PS cannot do better than this with 
 With `--update async` or `--update sync` (dense models), the answering process also does the
 optimizer's update, with the PS's own kernel (runtime/optimizers.py), and what goes back is the
 parameters it made: each push applied in turn (async), or one update with the mean of every
-connected worker's push, every worker waiting for it (sync). That is what a PS with no cost of
-its own beyond the bytes and the update would reach with the update on each step's critical
-path: the workers here wait for every answer, where tfps's async workers compute the next step
-meanwhile, so tfps can pass it.
+connected worker's push, every worker waiting for it (sync). With the async update the workers
+run as tfps's async workers do: each reads the answer to its previous push only once it has
+computed the next step's gradients, so the update runs while they compute. That is what a PS
+with no cost of its own beyond the bytes and the update would reach.
 
 A model with embedding tables takes `--update async` too, with `--optimizer` (sgd or adam): its
 push then also carries the row ids, those of the rows its gradients are for and those of the
@@ -214,7 +214,8 @@ def serve(listener: socket.socket, answerer: Answerer) -> None:
 
 
 class Exchange:
-    """One worker's side: send the push's arrays, receive the pull into an aligned buffer."""
+    """One worker's side: send the push's arrays, receive the pull into an aligned buffer
+    (`send` then `receive`, one exchange at a time; a call does both)."""
 
     def __init__(self, port: int):
         self.conn = socket.create_connection((LOOPBACK, port))
@@ -222,16 +223,23 @@ class Exchange:
         self.moved = 0
 
     def __call__(self, push: list, pull_bytes: int):
-        from tfps.runtime import wire
+        self.send(push, pull_bytes)
+        return self.receive(pull_bytes)
 
+    def send(self, push: list, pull_bytes: int) -> None:
         views = [memoryview(a).cast("B") for a in push]
         self.conn.sendall(_HEADER.pack(sum(len(v) for v in views), pull_bytes))
         for view in views:
             self.conn.sendall(view)
+        self.moved += sum(len(v) for v in views)
+
+    def receive(self, pull_bytes: int):
+        from tfps.runtime import wire
+
         buf = wire.aligned_empty(pull_bytes)
         if not _recv_exact(self.conn, memoryview(buf)):
             raise ConnectionError("the answering process went away")
-        self.moved += sum(len(v) for v in views) + pull_bytes
+        self.moved += pull_bytes
         return buf
 
 
@@ -262,28 +270,55 @@ def child(args: argparse.Namespace) -> None:
             out[feature] = inverse.reshape(x[feature].shape).astype(np.int64)
         return out, y, uniq
 
-    def pull(push: list, uniq: dict, pushed: dict | None = None) -> dict:
-        """The parameters for the next step, as views of the received bytes (`pushed`: the ids of
-        the rows whose gradients `push` holds)."""
+    def request(push: list, uniq: dict, pushed: dict | None = None):
+        """Send `push` (`pushed`: the ids of the rows whose gradients it holds), asking back the
+        parameters and the rows `uniq`; returns the call that receives them, as views of the
+        received bytes."""
         shapes = [(p.name, p.shape) for p in dense] + [(t.name, (len(uniq[t.feature]), *t.shape[1:])) for t in tables]
         sizes = [int(np.prod(s)) for _, s in shapes]
         if layout is not None:
             push = layout.push(push, [pushed[t.feature] if push else [] for t in tables], [uniq[t.feature] for t in tables])
-        buf = exchange(push, 4 * sum(sizes)).view(np.float32)
-        offsets = np.cumsum([0, *sizes])
-        return {name: as_tensor(buf[a:b].reshape(shape)) for (name, shape), a, b in zip(shapes, offsets[:-1], offsets[1:], strict=True)}
+        exchange.send(push, 4 * sum(sizes))
 
-    x, y, uniq = unique_ids(0)
-    params = pull([], uniq)
+        def receive() -> dict:
+            buf = exchange.receive(4 * sum(sizes)).view(np.float32)
+            offsets = np.cumsum([0, *sizes])
+            return {name: as_tensor(buf[a:b].reshape(shape)) for (name, shape), a, b in zip(shapes, offsets[:-1], offsets[1:], strict=True)}
 
-    def step() -> None:
-        nonlocal x, y, uniq, params
+        return receive
+
+    def gradients(params: dict, x: dict, y) -> list:
         _, grads = grad_fn(params, {k: as_tensor(v) for k, v in x.items()}, as_tensor(y))
-        push = [np.asarray(grads[p.name]) for p in dense] + [np.asarray(grads[t.name]) for t in tables]
+        return [np.asarray(grads[p.name]) for p in dense] + [np.asarray(grads[t.name]) for t in tables]
+
+    # (x, y, uniq) of the batches ahead, the one computed next first
+    ahead = [unique_ids(0)]
+    params = request([], ahead[0][2])()
+    in_flight = None
+
+    def waiting_step() -> None:
+        nonlocal params
+        x, y, uniq = ahead[0]
+        push = gradients(params, x, y)
         state["step"] += 1
-        pushed = uniq
-        x, y, uniq = unique_ids(state["step"])  # the rows the next batch needs ride along, as in tfps
-        params = pull(push, uniq, pushed)
+        ahead[0] = unique_ids(state["step"])  # the rows the next batch needs ride along, as in tfps
+        params = request(push, ahead[0][2], uniq)()
+
+    def pipelined_step() -> None:
+        """As tfps's async workers: push k goes out once step k is computed and the reply to push
+        k-1 is read (step k+1's parameters and rows), and asks for the rows of batch k+2."""
+        nonlocal params, in_flight
+        x, y, uniq = ahead[0]
+        push = gradients(params, x, y)
+        params = in_flight()
+        state["step"] += 1
+        ahead[:] = [ahead[1], unique_ids(state["step"] + 1)]
+        in_flight = request(push, ahead[1][2], uniq)
+
+    step = waiting_step
+    if args.update == "async":  # the first two batches' rows are pulled before
+        ahead.append(unique_ids(1))
+        in_flight, step = request([], ahead[1][2]), pipelined_step
 
     moved_before = exchange.moved
     steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)

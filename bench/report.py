@@ -25,9 +25,9 @@ LEGEND = (
     "worker processes computing the same gradients and moving each step's push and pull bytes over plain sockets "
     "to a process that only answers (no optimizer); limit + update = the same, the answering process also "
     "applying SGD's update with the PS's own kernel and sending back the parameters it made (async: each push in "
-    "turn; sync: the mean of both workers' pushes, both waiting for it), what a PS with no cost of its own beyond "
-    "the bytes and the update would reach with the update on each step's critical path (tfps's async workers "
-    "compute meanwhile); ceiling = the same worker processes computing gradients with "
+    "turn, the workers computing their next step meanwhile as tfps's async workers do; sync: the mean of both "
+    "workers' pushes, both waiting for it), what a PS with no cost of its own beyond the bytes and the update "
+    "would reach; ceiling = the same worker processes computing gradients with "
     "no PS and no bytes at all (both with TensorFlow's thread pools sized as tfps local sizes each replica's); "
     "bf16 wire = spec.training.wireDtype bfloat16 (float32 parameters and updates on the PS)."
 )
@@ -47,7 +47,8 @@ EMBEDDING_LEGEND = (
     "each step, tfps's is lazy (only the touched rows). The limit moves only the touched rows' and the dense part's "
     "bytes. Limit + update = the same, the answering process also holding the tables and applying each push with the "
     "PS's own kernels (the dense part, then only the touched rows: lazily for Adam) and sending back the rows asked "
-    "for, taken from its tables; its push also carries the row ids. PS state = the most loaded shard's parameters + "
+    "for, taken from its tables; its push also carries the row ids, and its workers compute their next step while "
+    "it updates, as tfps's async workers do. PS state = the most loaded shard's parameters + "
     "optimizer slots. Checkpointing = about three checkpoints of every shard written during the run."
 )
 

@@ -3,6 +3,7 @@ what it sends back with no update, with the async update and with the sync updat
 async update of a model's embedding tables (only the touched rows, the rows asked for back)."""
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -39,6 +40,19 @@ def test_async_applies_each_push_in_turn_with_the_ps_kernel():
     assert _params(first, g1) == pytest.approx(-LR * g1)
     assert _params(second, g2) == pytest.approx(-LR * (g1 + g2))
     assert answerer.version == 2
+
+
+def test_a_pipelined_worker_reads_the_answer_to_its_push_later():
+    port, answerer = _start("async")
+    worker = limit.Exchange(port)
+    grad = np.arange(6, dtype=np.float32)
+    worker.send([grad], 4 * 6)  # the worker computes its next step meanwhile: the update is made
+    deadline = time.monotonic() + 5
+    while answerer.version < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert answerer.version == 1
+    assert worker.receive(4 * 6).view(np.float32) == pytest.approx(-LR * grad)
+    assert worker.moved == 2 * 4 * 6
 
 
 def test_sync_waits_for_every_connected_worker_then_applies_their_mean():
