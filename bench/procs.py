@@ -20,6 +20,13 @@ log = logging.getLogger("tfps.bench")
 # is a failure of the benchmark.
 ANCHOR_CRASH_RETRIES = 1
 
+# Memory freed in GiBs slows this kind of machine for a while after (a virtual machine's pages
+# handed back to its host; the guest's own CPUs stay idle meanwhile). The 2M limit ran 17%
+# slower right after 14 GiB were freed and 5% slower 30 s after. The measurement after one whose
+# processes held that much (an embedding anchor's or tfps's PS) waits so long first.
+SETTLE_AFTER_RSS = 1 << 30  # bytes of a PS's peak RSS
+SETTLE_SECONDS = 30.0
+
 
 class MeasurementError(RuntimeError):
     """A measurement's process failed or printed no result."""
@@ -186,7 +193,14 @@ class Repeat:
             self.row[f"{system}:crashed_attempts"] = crashed
             again = f", measured again after {crashed} crashed attempt(s)"
         self.progress(f"{self.shape} {label}: {self.row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s{again})")
+        self._settle(result)
         return result
+
+    def _settle(self, result: dict) -> None:
+        peak = result.get("ps_peak_rss") or 0
+        if peak >= SETTLE_AFTER_RSS:
+            self.progress(f"{self.shape}: waiting {SETTLE_SECONDS:.0f} s for the memory its PS held ({peak / 2**30:.1f} GiB) to be handed back")
+            time.sleep(SETTLE_SECONDS)
 
 
 def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -> int:

@@ -106,6 +106,17 @@ def test_a_crashed_anchor_is_measured_again_and_the_report_says_so(tmp_path):
     assert "measured again after 1 crashed attempt" in lines[-1]
 
 
+def test_the_measurement_after_one_whose_ps_held_gibs_waits_for_the_machine_to_settle(monkeypatch):
+    slept, lines = [], []
+    monkeypatch.setattr(procs.time, "sleep", slept.append)
+    rep = procs.Repeat("10M", lines.append, {})
+    rep.attempt("tfps_adam", lambda: {"examples_per_second": 1.0, "ps_peak_rss": 900 << 20})
+    assert slept == []
+    rep.attempt("tf_pss_adam", lambda: {"examples_per_second": 1.0, "ps_peak_rss": 11 << 30})
+    assert slept == [procs.SETTLE_SECONDS]
+    assert "waiting 30 s for the memory its PS held (11.0 GiB)" in lines[-1]
+
+
 def test_a_crash_is_a_failure_without_retries_and_an_error_exit_is_never_retried(tmp_path):
     cmd = [sys.executable, "-c", _CRASHES_ONCE, str(tmp_path / "marker")]
     with pytest.raises(procs.MeasurementError, match="exit code -11") as err:
