@@ -199,7 +199,7 @@ class Repeat:
     def _settle(self, result: dict) -> None:
         peak = result.get("ps_peak_rss") or 0
         if peak >= SETTLE_AFTER_RSS:
-            self.progress(f"{self.shape}: waiting {SETTLE_SECONDS:.0f} s for the memory its PS held ({peak / 2**30:.1f} GiB) to be handed back")
+            self.progress(f"{self.shape}: a {SETTLE_SECONDS:.0f} s pause for the machine to settle (its PS held {peak / 2**30:.1f} GiB)")
             time.sleep(SETTLE_SECONDS)
 
 

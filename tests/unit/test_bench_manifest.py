@@ -114,7 +114,7 @@ def test_the_measurement_after_one_whose_ps_held_gibs_waits_for_the_machine_to_s
     assert slept == []
     rep.attempt("tf_pss_adam", lambda: {"examples_per_second": 1.0, "ps_peak_rss": 11 << 30})
     assert slept == [procs.SETTLE_SECONDS]
-    assert "waiting 30 s for the memory its PS held (11.0 GiB)" in lines[-1]
+    assert "a 30 s pause for the machine to settle (its PS held 11.0 GiB)" in lines[-1]
 
 
 def test_a_crash_is_a_failure_without_retries_and_an_error_exit_is_never_retried(tmp_path):
