@@ -228,10 +228,11 @@ class Exchange:
 
     def send(self, push: list, pull_bytes: int) -> None:
         views = [memoryview(a).cast("B") for a in push]
-        self.conn.sendall(_HEADER.pack(sum(len(v) for v in views), pull_bytes))
+        nbytes = sum(len(v) for v in views)
+        self.conn.sendall(_HEADER.pack(nbytes, pull_bytes))
         for view in views:
             self.conn.sendall(view)
-        self.moved += sum(len(v) for v in views)
+        self.moved += nbytes
 
     def receive(self, pull_bytes: int):
         from tfps.runtime import wire
