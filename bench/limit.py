@@ -6,7 +6,8 @@ way a tfps worker does (tfps's grad_fn on the same `ModelDef`, batches and param
 tensors), and moving each step's bytes over a plain TCP socket to a process that only
 answers: the push (every dense gradient, and the touched rows' gradients of each embedding
 table) out, the pull (every dense parameter, and the rows the next batch touches) back.
-No optimizer, no framing beyond a length. Each worker sizes TensorFlow's thread pools as
+No optimizer, no framing beyond a length; each tensor starts on wire.ALIGN (`aligned_offsets`),
+as in a tfps message, so that TensorFlow uses the received bytes in place, as a tfps worker's. Each worker sizes TensorFlow's thread pools as
 `tfps local` sizes a replica's (`--processes`). Prints one JSON line: the aggregate
 examples/s and the bytes moved per step. The PS cannot do better than this with the same bytes.
 
@@ -36,6 +37,8 @@ import time
 
 import numpy as np
 
+from tfps.runtime.wire import ALIGN
+
 from .procs import LOOPBACK, child_or_orchestrator, module_cmd, run_json, run_together, size_tf_threads, timed_window
 
 MODULE = "tfps.bench.limit"
@@ -45,6 +48,30 @@ UPDATES = ("none", "async", "sync")
 # A sync step closes without a worker silent this long: one that finished its warm-up waits,
 # without pushing, for the others to finish theirs (procs.timed_window).
 SYNC_WAIT_SECONDS = 0.5
+_ALIGN_FLOATS = ALIGN // 4
+
+
+def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where each of float32 tensors of `sizes` elements starts in a push or pull whose tensors each
+    start on wire.ALIGN (in elements from its start), and the elements of the whole."""
+    offsets, end = [], 0
+    for size in sizes:
+        end += -end % _ALIGN_FLOATS
+        offsets.append(end)
+        end += size
+    return offsets, end
+
+
+def padded(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """float32 `arrays` with zeros between them, each where `aligned_offsets` puts it."""
+    out, end = [], 0
+    for arr in arrays:
+        if pad := -end % _ALIGN_FLOATS:
+            out.append(np.zeros(pad, np.float32))
+            end += pad
+        out.append(arr)
+        end += arr.size
+    return out
 
 
 class _RowsLayout:
@@ -52,10 +79,11 @@ class _RowsLayout:
 
         counts  = int64 [has gradients, rows pushed per table..., rows asked for per table...]
         ids     = int64, each table's pushed rows, then each table's rows asked for
-        dense   = float32, every dense gradient in the model's order (when it has gradients)
+        dense   = float32, every dense gradient in the model's order, `padded` (when it has gradients)
         rows    = float32, each table's pushed rows' gradients
 
-    Its answer: the dense parameters, then each table's rows asked for (float32)."""
+    Its answer: the dense parameters (as pushed: `padded`), then each table's rows asked for
+    (float32), each part where `aligned_offsets` puts it."""
 
     def __init__(self, dense_size: int, widths: list[int]):
         self.dense_size, self.widths = dense_size, widths
@@ -165,7 +193,7 @@ class Answerer:
             for (table, _), ids in zip(self.tables, wanted, strict=True):
                 out.append(np.empty((len(ids), table.shape[1]), np.float32))
                 self._take(table, ids, out[-1])
-        return out
+        return padded(out)
 
     def _parameters(self, grad: np.ndarray, size: int) -> np.ndarray:
         """The parameters after this push's update (an empty push: the parameters as they are)."""
@@ -258,7 +286,8 @@ def child(args: argparse.Namespace) -> None:
     grad_fn = make_grad_fn(model)
     dense = [p for p in model.params if not p.sparse]
     tables = model.sparse_params
-    layout = _RowsLayout(sum(p.size for p in dense), [t.shape[1] for t in tables]) if tables and args.update != "none" else None
+    dense_size = aligned_offsets([p.size for p in dense])[1]
+    layout = _RowsLayout(dense_size, [t.shape[1] for t in tables]) if tables and args.update != "none" else None
     exchange = Exchange(args.port)
     state = {"step": 0}
 
@@ -276,21 +305,20 @@ def child(args: argparse.Namespace) -> None:
         parameters and the rows `uniq`; returns the call that receives them, as views of the
         received bytes."""
         shapes = [(p.name, p.shape) for p in dense] + [(t.name, (len(uniq[t.feature]), *t.shape[1:])) for t in tables]
-        sizes = [int(np.prod(s)) for _, s in shapes]
+        offsets, size = aligned_offsets([int(np.prod(s)) for _, s in shapes])
         if layout is not None:
             push = layout.push(push, [pushed[t.feature] if push else [] for t in tables], [uniq[t.feature] for t in tables])
-        exchange.send(push, 4 * sum(sizes))
+        exchange.send(push, 4 * size)
 
         def receive() -> dict:
-            buf = exchange.receive(4 * sum(sizes)).view(np.float32)
-            offsets = np.cumsum([0, *sizes])
-            return {name: as_tensor(buf[a:b].reshape(shape)) for (name, shape), a, b in zip(shapes, offsets[:-1], offsets[1:], strict=True)}
+            buf = exchange.receive(4 * size).view(np.float32)
+            return {name: as_tensor(buf[a:a + int(np.prod(shape))].reshape(shape)) for (name, shape), a in zip(shapes, offsets, strict=True)}
 
         return receive
 
     def gradients(params: dict, x: dict, y) -> list:
         _, grads = grad_fn(params, {k: as_tensor(v) for k, v in x.items()}, as_tensor(y))
-        return [np.asarray(grads[p.name]) for p in dense] + [np.asarray(grads[t.name]) for t in tables]
+        return padded([np.asarray(grads[p.name]) for p in dense]) + [np.asarray(grads[t.name]) for t in tables]
 
     # (x, y, uniq) of the batches ahead, the one computed next first
     ahead = [unique_ids(0)]
@@ -335,7 +363,8 @@ def measure(args: argparse.Namespace) -> dict:
     tables = [t.shape for t in model.sparse_params]
     if tables and args.update == "sync":
         raise SystemExit("--update sync takes a dense model: a model with embedding tables takes --update async")
-    answerer = Answerer(args.update, args.learning_rate, args.optimizer, sum(p.size for p in model.params if not p.sparse), tables)
+    dense_size = aligned_offsets([p.size for p in model.params if not p.sparse])[1]
+    answerer = Answerer(args.update, args.learning_rate, args.optimizer, dense_size, tables)
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=serve, args=(listener, answerer), daemon=True).start()
     base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),

@@ -95,8 +95,22 @@ DENSE, ROWS, WIDTH = 3, 10, 2
 def _rows_exchange(exchange: limit.Exchange, grads: list, pushed: list, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(the dense parameters, the rows asked for) sent back for one push of a 3-parameter dense part and a 10 x 2 table."""
     layout = limit._RowsLayout(DENSE, [WIDTH])
-    out = exchange(layout.push(grads, [pushed], [wanted]), 4 * (DENSE + len(wanted) * WIDTH)).view(np.float32)
-    return out[:DENSE].copy(), out[DENSE:].reshape(len(wanted), WIDTH).copy()
+    (_, rows_at), size = limit.aligned_offsets([DENSE, len(wanted) * WIDTH])
+    out = exchange(layout.push(grads, [pushed], [wanted]), 4 * size).view(np.float32)
+    return out[:DENSE].copy(), out[rows_at:].reshape(len(wanted), WIDTH).copy()
+
+
+def test_each_tensor_of_a_push_or_pull_starts_where_tensorflow_can_use_it_in_place():
+    from tfps.runtime import wire
+    from tfps.runtime.zerocopy import in_place
+
+    arrays = [np.full(n, n, np.float32) for n in (3, 16, 1, 5)]
+    offsets, size = limit.aligned_offsets([a.size for a in arrays])
+    assert offsets == [0, 16, 32, 48] and size == 53
+    received = wire.aligned_empty(4 * size).view(np.float32)  # as the worker receives it
+    received[:] = np.concatenate(limit.padded(arrays))
+    for arr, at in zip(arrays, offsets, strict=True):
+        assert np.array_equal(received[at:at + arr.size], arr) and in_place(received[at:at + arr.size])
 
 
 def test_tables_async_sgd_updates_only_the_pushed_rows_and_sends_back_the_rows_asked_for():
