@@ -7,9 +7,9 @@ tensors), and moving each step's bytes over a plain TCP socket to a process that
 answers: the push (every dense gradient, and the touched rows' gradients of each embedding
 table) out, the pull (every dense parameter, and the rows the next batch touches) back.
 No optimizer, no framing beyond a length; each tensor starts on wire.ALIGN (`aligned_offsets`),
-as in a tfps message, so that TensorFlow uses the received bytes in place, as a tfps worker's. Each worker sizes TensorFlow's thread pools as
-`tfps local` sizes a replica's (`--processes`). Prints one JSON line: the aggregate
-examples/s and the bytes moved per step. The PS cannot do better than this with the same bytes.
+as in a tfps message, so that TensorFlow uses the received bytes in place, as a tfps worker's.
+Each worker sizes TensorFlow's thread pools as `tfps local` sizes a replica's (`--processes`).
+Prints one JSON line: the aggregate examples/s and the bytes moved per step. The PS cannot do better than this with the same bytes.
 
 With `--update async` or `--update sync` (dense models), the answering process also does the
 optimizer's update, with the PS's own kernel (runtime/optimizers.py), and what goes back is the
@@ -60,6 +60,11 @@ def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
         offsets.append(end)
         end += size
     return offsets, end
+
+
+def padded_dense_size(params: list) -> int:
+    """Elements of a model's dense part as pushed and pulled: each parameter `padded`."""
+    return aligned_offsets([p.size for p in params if not p.sparse])[1]
 
 
 def padded(arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -286,8 +291,7 @@ def child(args: argparse.Namespace) -> None:
     grad_fn = make_grad_fn(model)
     dense = [p for p in model.params if not p.sparse]
     tables = model.sparse_params
-    dense_size = aligned_offsets([p.size for p in dense])[1]
-    layout = _RowsLayout(dense_size, [t.shape[1] for t in tables]) if tables and args.update != "none" else None
+    layout = _RowsLayout(padded_dense_size(dense), [t.shape[1] for t in tables]) if tables and args.update != "none" else None
     exchange = Exchange(args.port)
     state = {"step": 0}
 
@@ -363,8 +367,7 @@ def measure(args: argparse.Namespace) -> dict:
     tables = [t.shape for t in model.sparse_params]
     if tables and args.update == "sync":
         raise SystemExit("--update sync takes a dense model: a model with embedding tables takes --update async")
-    dense_size = aligned_offsets([p.size for p in model.params if not p.sparse])[1]
-    answerer = Answerer(args.update, args.learning_rate, args.optimizer, dense_size, tables)
+    answerer = Answerer(args.update, args.learning_rate, args.optimizer, padded_dense_size(model.params), tables)
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=serve, args=(listener, answerer), daemon=True).start()
     base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
