@@ -9,7 +9,8 @@ table) out, the pull (every dense parameter, and the rows the next batch touches
 No optimizer, no framing beyond a length; each tensor starts on wire.ALIGN (`aligned_offsets`),
 as in a tfps message, so that TensorFlow uses the received bytes in place, as a tfps worker's.
 Each worker sizes TensorFlow's thread pools as `tfps local` sizes a replica's (`--processes`).
-Prints one JSON line: the aggregate examples/s and the bytes moved per step. The PS cannot do better than this with the same bytes.
+Prints one JSON line: the aggregate examples/s and the bytes moved per step. The PS cannot do
+better than this with the same bytes.
 
 With `--update async` or `--update sync` (dense models), the answering process also does the
 optimizer's update, with the PS's own kernel (runtime/optimizers.py), and what goes back is the
@@ -309,14 +310,15 @@ def child(args: argparse.Namespace) -> None:
         parameters and the rows `uniq`; returns the call that receives them, as views of the
         received bytes."""
         shapes = [(p.name, p.shape) for p in dense] + [(t.name, (len(uniq[t.feature]), *t.shape[1:])) for t in tables]
-        offsets, size = aligned_offsets([int(np.prod(s)) for _, s in shapes])
+        sizes = [int(np.prod(s)) for _, s in shapes]
+        offsets, size = aligned_offsets(sizes)
         if layout is not None:
             push = layout.push(push, [pushed[t.feature] if push else [] for t in tables], [uniq[t.feature] for t in tables])
         exchange.send(push, 4 * size)
 
         def receive() -> dict:
             buf = exchange.receive(4 * size).view(np.float32)
-            return {name: as_tensor(buf[a:a + int(np.prod(shape))].reshape(shape)) for (name, shape), a in zip(shapes, offsets, strict=True)}
+            return {name: as_tensor(buf[a:a + n].reshape(shape)) for (name, shape), a, n in zip(shapes, offsets, sizes, strict=True)}
 
         return receive
 
