@@ -87,29 +87,42 @@ def measure_anchor(shape: EmbeddingShape, optimizer: str, learning_rate: float, 
     )
 
 
-def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool) -> tuple[dict, list[str]]:
-    """One repeat of one embedding shape, back to back: the bytes-inclusive limit, then per
-    optimizer the limit with that optimizer's update (a reference), TF's strategy and tfps async;
-    with `checkpoints`, tfps async Adam once more while checkpoints are written (about three in
-    the run), for its longest step."""
+def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool,
+                 repeat: int = 0) -> tuple[dict, list[str]]:
+    """One repeat of one embedding shape: per optimizer the limit with that optimizer's update (a
+    reference) and TF's strategy; then tfps async, SGD and Adam, right between two measurements
+    of the bytes-inclusive limit (Repeat.bracket), in turn first on even and odd repeats; with
+    `checkpoints`, tfps async Adam once more while checkpoints are written (about three in the
+    run), for its longest step."""
     from . import limit, tfps_side
 
     rep = Repeat(shape.name, progress, {})
-    rep.attempt("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",))
+    rates: dict[str, float] = {}
     for optimizer in OPTIMIZERS:
         rep.row[f"state_{optimizer}:shard"] = shard_state_bytes(shape, optimizer)
-        lr = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
-        rep.attempt(f"limit_update_{optimizer}", partial(limit.run, shape, cfg, "async", optimizer, lr), ("bytes_per_step",))
-        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, lr, cfg), ("ps_peak_rss",))
+        rates[optimizer] = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
+        rep.attempt(f"limit_update_{optimizer}", partial(limit.run, shape, cfg, "async", optimizer, rates[optimizer]),
+                    ("bytes_per_step",))
+        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, rates[optimizer], cfg), ("ps_peak_rss",))
+
+    def tfps(optimizer: str) -> tuple[float, partial]:
+        """Examples for tfps's run, and the run."""
         key = f"tfps_{optimizer}"
         rate = hints.get(key) or 0.8 * (rep.row.get("limit") or 20_000.0)
         examples = tfps_side.examples_for(rate, cfg)
-        run = partial(tfps_side.measure, shape, "async", examples, rate, lr, optimizer=optimizer)
-        rep.attempt(key, run, TFPS_FIGURES)
-        if rep.row.get(key):
-            hints[key] = rep.row[key]
-        if checkpoints and optimizer == "adam":
-            every = max(10, tfps_side.steps_for("async", shape, examples) // 4)
-            rep.attempt("tfps_adam_ckpt", partial(run, every_steps=every), TFPS_FIGURES)
-            rep.row["tfps_adam_ckpt:every_steps"] = every
+        return examples, partial(tfps_side.measure, shape, "async", examples, rate, rates[optimizer], optimizer=optimizer)
+
+    def tfps_runs() -> None:
+        for optimizer in OPTIMIZERS if repeat % 2 == 0 else OPTIMIZERS[::-1]:
+            key = f"tfps_{optimizer}"
+            rep.attempt(key, tfps(optimizer)[1], TFPS_FIGURES)
+            if rep.row.get(key):
+                hints[key] = rep.row[key]
+
+    rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",), tfps_runs)
+    if checkpoints:
+        examples, run = tfps("adam")
+        every = max(10, tfps_side.steps_for("async", shape, examples) // 4)
+        rep.attempt("tfps_adam_ckpt", partial(run, every_steps=every), TFPS_FIGURES)
+        rep.row["tfps_adam_ckpt:every_steps"] = every
     return rep.row, rep.errors

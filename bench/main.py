@@ -1,17 +1,19 @@
 """`tfps bench`: tfps against its anchors, measured side by side in one run.
 
 Dense shapes (the 670k MLP with 2 workers × 1 PS, the 5.8M MLP with 2 workers × 2 PS,
-batch 128): each repeat measures, back to back, the bytes-inclusive limit (bench/limit.py),
-the same limit with the optimizer's update made by the answering process (async and sync),
-the compute-only ceiling, TensorFlow's own ParameterServerStrategy (async), tfps async and
-tfps sync, and tfps async with bfloat16 on the wire (spec.training.wireDtype).
+batch 128): each repeat measures, back to back, the bytes-inclusive limit with the optimizer's
+update made by the answering process (async and sync; bench/limit.py), the compute-only
+ceiling, TensorFlow's own ParameterServerStrategy (async), then tfps async, tfps sync and tfps
+async with bfloat16 on the wire (spec.training.wireDtype) right between two measurements of the
+bytes-inclusive limit, whose mean is the repeat's limit (procs.Repeat.bracket).
 
 Large-embedding shapes (bench/embedding.py: wide-deep with a 2M- and a 10M-row table × 64
-over 2 PS, batch 512, 2 workers, async): each repeat measures the limit that moves only the
-touched rows' bytes, then for SGD and for Adam the limit with that optimizer's update of the
-touched rows, TF's strategy and tfps, with the bytes through the PS per step and each
-process's peak RSS; on the 2M shape tfps Adam once more while checkpoints are written, for its
-longest step.
+over 2 PS, batch 512, 2 workers, async): each repeat measures for SGD and for Adam the limit
+with that optimizer's update of the touched rows and TF's strategy, then tfps SGD and Adam
+between two measurements of the limit that moves only the touched rows' bytes, with the bytes
+through the PS per step and each process's peak RSS; on the 2M shape tfps Adam once more while
+checkpoints are written, for its longest step. The tfps runs inside a bracket take turns at
+going first, repeat by repeat.
 
 Ratios are taken within a repeat (paired) and the report gives their median over repeats,
 next to the goals it states (bench/report.py). Then PS push+pull goodput against raw TCP
@@ -28,6 +30,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from typing import Any, Callable
 
 from . import embedding, limit, machine, report, tfps_side
@@ -89,30 +92,35 @@ def measure_anchor(module: str, shape: Shape, cfg: dict, extra: list[str] = ()) 
 
 
 def measure_shape_once(
-    shape: Shape, cfg: dict, hints: dict[str, float], progress: Callable[[str], None]
+    shape: Shape, cfg: dict, hints: dict[str, float], progress: Callable[[str], None], repeat: int = 0
 ) -> tuple[dict, list[str]]:
-    """One repeat of one shape: every system back to back. Returns examples/s and errors."""
+    """One repeat of one shape: the limit + update (async, sync), the ceiling and TF's strategy,
+    then tfps's runs right between two measurements of the bytes-inclusive limit
+    (Repeat.bracket), in reverse order on odd repeats. Returns examples/s and errors."""
     rep = Repeat(shape.name, progress, report.SYSTEMS)
-    rep.attempt("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",))
     for update in ("async", "sync"):
         rep.attempt(f"limit_update_{update}", lambda update=update: limit.run(shape, cfg, update))
     rep.attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg, ["--processes", str(shape.workers + shape.ps)]))
     rep.attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
     row = rep.row
-    for mode, wire_dtype in TFPS_RUNS:
+
+    def run_one(mode: str, wire_dtype: str) -> None:
         key = tfps_side.system_key(mode, wire_dtype)
         # Size the run from the last tfps rate of this kind, else from the limit's (which tfps
         # cannot pass: the run is then at least as long as asked), to `seconds` of steady
         # state after the warm-up that tfps local leaves out (tfps_side.examples_for).
         rate = hints.get(key) or row.get("limit") or row.get("tf_pss") or row.get("ceiling") or 1000.0
         examples = tfps_side.examples_for(rate, cfg)
-
-        def run_tfps(mode=mode, rate=rate, examples=examples, wire_dtype=wire_dtype) -> dict:
-            return tfps_side.measure(shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype)
-
-        rep.attempt(key, run_tfps, ("wire_bytes_per_step",))
+        rep.attempt(key, partial(tfps_side.measure, shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype),
+                    ("wire_bytes_per_step",))
         if row.get(key):
             hints[key] = row[key]
+
+    def tfps_runs() -> None:
+        for mode, wire_dtype in TFPS_RUNS if repeat % 2 == 0 else TFPS_RUNS[::-1]:
+            run_one(mode, wire_dtype)
+
+    rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",), tfps_runs)
     return row, rep.errors
 
 
@@ -186,12 +194,12 @@ def run(args: argparse.Namespace) -> int:
     for rep in range(cfg["repeats"]):
         for name in cfg["shapes"]:
             progress(f"repeat {rep + 1}/{cfg['repeats']}, shape {name}")
-            row, errs = measure_shape_once(SHAPES[name], cfg, hints[name], progress)
+            row, errs = measure_shape_once(SHAPES[name], cfg, hints[name], progress, rep)
             rows[name].append(row)
             errors += errs
         for name in cfg["embedding_shapes"]:
             progress(f"repeat {rep + 1}/{cfg['repeats']}, embedding shape {name}")
-            row, errs = embedding.measure_once(_embedding_shape(name), cfg, hints[name], progress, name in CHECKPOINT_SHAPES)
+            row, errs = embedding.measure_once(_embedding_shape(name), cfg, hints[name], progress, name in CHECKPOINT_SHAPES, rep)
             emb_rows[name].append(row)
             errors += errs
         if args.output:  # every repeat so far, in case the run is cut short

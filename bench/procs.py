@@ -196,6 +196,20 @@ class Repeat:
         self._settle(result)
         return result
 
+    def bracket(self, system: str, fn: Callable[[], dict], figures: Sequence[str], inner: Callable[[], None]) -> None:
+        """`system` measured right before `inner()` (the measurements compared with it) and right
+        after; its examples/s is the mean of the two (each is kept: `system:before`, `system:after`),
+        its figures the first one's. The speed of a virtual machine drifts by tens of percent within
+        minutes: measured once ahead of them, a reference carries that drift into every ratio."""
+        self.attempt(system, fn, figures)
+        before = self.row[system]
+        inner()
+        self.attempt(system, fn)
+        after = self.row[system]
+        measured = [v for v in (before, after) if v is not None]
+        self.row[system] = sum(measured) / len(measured) if measured else None
+        self.row[f"{system}:before"], self.row[f"{system}:after"] = before, after
+
     def _settle(self, result: dict) -> None:
         peak = result.get("ps_peak_rss") or 0
         if peak >= SETTLE_AFTER_RSS:

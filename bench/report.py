@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-# What is measured per shape, in the order of a repeat: key -> label.
+# What is measured per shape, in the report's order: key -> label.
 SYSTEMS: dict[str, str] = {
     "limit": "bytes-inclusive limit",
     "limit_update_async": "limit + update, async",
@@ -23,7 +23,8 @@ SYSTEMS: dict[str, str] = {
 LEGEND = (
     "TF strategy = tf.distribute ParameterServerStrategy with ClusterCoordinator; bytes-inclusive limit = the same "
     "worker processes computing the same gradients and moving each step's push and pull bytes over plain sockets "
-    "to a process that only answers (no optimizer); limit + update = the same, the answering process also "
+    "to a process that only answers (no optimizer), measured right before and right after tfps's runs, the mean "
+    "of the two; limit + update = the same, the answering process also "
     "applying SGD's update with the PS's own kernel and sending back the parameters it made (async: each push in "
     "turn, the workers computing their next step meanwhile as tfps's async workers do; sync: the mean of both "
     "workers' pushes, both waiting for it), what a PS with no cost of its own beyond the bytes and the update "
@@ -45,8 +46,8 @@ EMBEDDING_LEGEND = (
     "wide-deep, power-law ids, batch 512 per worker, 2 workers, 2 PS, async. TF strategy = ParameterServerStrategy "
     "training Keras 2 Embedding tables split over the PS by a variable partitioner; its Adam decays every row's slots "
     "each step, tfps's is lazy (only the touched rows). The limit moves only the touched rows' and the dense part's "
-    "bytes. Limit + update = the same, the answering process also holding the tables and applying each push with the "
-    "PS's own kernels (the dense part, then only the touched rows: lazily for Adam) and sending back the rows asked "
+    "bytes, measured right before and right after tfps's runs, the mean of the two. Limit + update = the same, "
+    "the answering process also holding the tables and applying each push with the PS's own kernels (the dense part, then only the touched rows: lazily for Adam) and sending back the rows asked "
     "for, taken from its tables; its push also carries the row ids, and its workers compute their next step while "
     "it updates, as tfps's async workers do. PS state = the most loaded shard's parameters + "
     "optimizer slots. Checkpointing = about three checkpoints of every shard written during the run."

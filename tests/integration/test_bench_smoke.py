@@ -71,6 +71,9 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     for key in ("tfps_sgd:wire_bytes_per_step", "tfps_adam:ps_peak_rss", "tfps_adam:worker_peak_rss", "limit:bytes_per_step",
                 "tfps_adam_ckpt:longest_step", "state_adam:shard"):
         assert _numeric(emb["medians"][key]), key
+    for shape in (*out["shapes"].values(), emb):  # the limit, measured on both sides of tfps's runs
+        before, after = shape["medians"]["limit:before"], shape["medians"]["limit:after"]
+        assert _numeric(before) and _numeric(after) and shape["medians"]["limit"] == pytest.approx((before + after) / 2)
     for rdef in report.EMBEDDING_RATIOS:
         assert _numeric(emb["ratios"][rdef.key]["median"]), rdef.key
     # 5 for the 670k shape, 8 for the embedding shape, 1 for goodput

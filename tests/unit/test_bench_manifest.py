@@ -200,3 +200,68 @@ def test_the_anchor_window_ends_near_its_length_for_a_slow_anchor_and_a_fast_one
     overrun = step_s if step_s > seconds else (MAX_CHUNKS_IN_FLIGHT + 1) * CHUNK_SECONDS
     assert seconds <= elapsed < seconds + overrun + 0.3
     assert steps / elapsed == pytest.approx(2 / step_s, rel=0.35) and loss == 0.5
+
+
+def test_a_bracketed_reference_is_measured_right_before_and_after_what_it_is_compared_with():
+    calls, rates = [], iter([100.0, 80.0])
+
+    def limit():
+        calls.append("limit")
+        return {"examples_per_second": next(rates), "bytes_per_step": 7}
+
+    rep = procs.Repeat("2M", lambda line: None, {})
+    rep.bracket("limit", limit, ("bytes_per_step",), lambda: calls.append("tfps"))
+    assert calls == ["limit", "tfps", "limit"]
+    assert rep.row == {"limit": 90.0, "limit:before": 100.0, "limit:after": 80.0, "limit:bytes_per_step": 7}
+
+
+def test_a_bracket_half_of_which_failed_keeps_the_other_half_and_reports_the_failure():
+    results = iter([procs.MeasurementError("limit: exit code 1"), {"examples_per_second": 80.0}])
+
+    def limit():
+        result = next(results)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    rep = procs.Repeat("2M", lambda line: None, {})
+    rep.bracket("limit", limit, (), lambda: None)
+    assert rep.row["limit"] == 80.0 and rep.row["limit:before"] is None
+    assert rep.errors == ["2M limit: limit: exit code 1"]
+
+
+def _recorded_repeat(monkeypatch, repeat: int, dense: bool) -> list[str]:
+    """The measurements of one repeat, in the order they ran (each measurement's process replaced
+    by a record of its name: the order is what is checked)."""
+    from tfps.bench import embedding, limit, main, tfps_side
+
+    order = []
+
+    def record(name):
+        order.append(name)
+        return {"examples_per_second": 1000.0}
+
+    monkeypatch.setattr(limit, "run", lambda shape, cfg, update="none", optimizer="sgd", lr=None:
+                        record("limit" if update == "none" else f"limit_update_{optimizer if not dense else update}"))
+    monkeypatch.setattr(tfps_side, "measure", lambda shape, mode, *a, wire_dtype="float32", optimizer="sgd", every_steps=None:
+                        record(tfps_side.system_key(mode, wire_dtype) if dense else
+                               f"tfps_{optimizer}" + ("_ckpt" if every_steps else "")))
+    cfg = {"seconds": 1.0, "warmup_seconds": 1.0, "learning_rate": 0.01}
+    if dense:
+        monkeypatch.setattr(main, "measure_anchor", lambda module, *a: record(module.rsplit(".", 1)[-1]))
+        row, errors = main.measure_shape_once(main.SHAPES["670k"], cfg, {}, lambda line: None, repeat)
+    else:
+        monkeypatch.setattr(embedding, "measure_anchor", lambda shape, optimizer, *a: record(f"tf_pss_{optimizer}"))
+        monkeypatch.setattr(embedding, "shard_state_bytes", lambda shape, optimizer: 1)
+        row, errors = embedding.measure_once(embedding.QUICK_SHAPE, cfg, {}, lambda line: None, True, repeat)
+    assert errors == [] and row["limit"] == 1000.0
+    return order
+
+
+def test_tfps_runs_between_two_limits_and_they_take_turns_at_going_first(monkeypatch):
+    refs = ["limit_update_async", "limit_update_sync", "ceiling", "anchor_tf_pss"]
+    assert _recorded_repeat(monkeypatch, 0, dense=True) == [*refs, "limit", "tfps_async", "tfps_sync", "tfps_async_bf16", "limit"]
+    assert _recorded_repeat(monkeypatch, 1, dense=True) == [*refs, "limit", "tfps_async_bf16", "tfps_sync", "tfps_async", "limit"]
+    refs = ["limit_update_sgd", "tf_pss_sgd", "limit_update_adam", "tf_pss_adam"]
+    assert _recorded_repeat(monkeypatch, 0, dense=False) == [*refs, "limit", "tfps_sgd", "tfps_adam", "limit", "tfps_adam_ckpt"]
+    assert _recorded_repeat(monkeypatch, 1, dense=False) == [*refs, "limit", "tfps_adam", "tfps_sgd", "limit", "tfps_adam_ckpt"]
