@@ -185,6 +185,8 @@ class Repeat:
             self.row[system] = None
             self.errors.append(f"{self.shape} {system}: {err}")
             self.progress(f"{self.shape} {label}: FAILED: {err}")
+            # how much memory its processes held is unknown: an anchor killed by the OOM killer held the most
+            self._settle({"ps_peak_rss": SETTLE_AFTER_RSS}, "its processes' peak is unknown")
             return None
         for name in figures:
             self.row[f"{system}:{name}"] = result.get(name)
@@ -210,10 +212,11 @@ class Repeat:
         self.row[system] = sum(measured) / len(measured) if measured else None
         self.row[f"{system}:before"], self.row[f"{system}:after"] = before, after
 
-    def _settle(self, result: dict) -> None:
+    def _settle(self, result: dict, why: str | None = None) -> None:
         peak = result.get("ps_peak_rss") or 0
         if peak >= SETTLE_AFTER_RSS:
-            self.progress(f"{self.shape}: a {SETTLE_SECONDS:.0f} s pause for the machine to settle (its PS held {peak / 2**30:.1f} GiB)")
+            why = why or f"its PS held {peak / 2**30:.1f} GiB"
+            self.progress(f"{self.shape}: a {SETTLE_SECONDS:.0f} s pause for the machine to settle ({why})")
             time.sleep(SETTLE_SECONDS)
 
 

@@ -215,7 +215,9 @@ def test_a_bracketed_reference_is_measured_right_before_and_after_what_it_is_com
     assert rep.row == {"limit": 90.0, "limit:before": 100.0, "limit:after": 80.0, "limit:bytes_per_step": 7}
 
 
-def test_a_bracket_half_of_which_failed_keeps_the_other_half_and_reports_the_failure():
+def test_a_bracket_half_of_which_failed_keeps_the_other_half_and_reports_the_failure(monkeypatch):
+    slept = []
+    monkeypatch.setattr(procs.time, "sleep", slept.append)
     results = iter([procs.MeasurementError("limit: exit code 1"), {"examples_per_second": 80.0}])
 
     def limit():
@@ -228,6 +230,7 @@ def test_a_bracket_half_of_which_failed_keeps_the_other_half_and_reports_the_fai
     rep.bracket("limit", limit, (), lambda: None)
     assert rep.row["limit"] == 80.0 and rep.row["limit:before"] is None
     assert rep.errors == ["2M limit: limit: exit code 1"]
+    assert slept == [procs.SETTLE_SECONDS]  # after the failed one: what its processes held is unknown
 
 
 def _recorded_repeat(monkeypatch, repeat: int, dense: bool) -> list[str]:
