@@ -97,23 +97,23 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
     from . import limit, tfps_side
 
     rep = Repeat(shape.name, progress, {})
-    rates: dict[str, float] = {}
+    learning_rates: dict[str, float] = {}
     for optimizer in OPTIMIZERS:
         rep.row[f"state_{optimizer}:shard"] = shard_state_bytes(shape, optimizer)
-        rates[optimizer] = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
-        rep.attempt(f"limit_update_{optimizer}", partial(limit.run, shape, cfg, "async", optimizer, rates[optimizer]),
+        learning_rates[optimizer] = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
+        rep.attempt(f"limit_update_{optimizer}", partial(limit.run, shape, cfg, "async", optimizer, learning_rates[optimizer]),
                     ("bytes_per_step",))
-        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, rates[optimizer], cfg), ("ps_peak_rss",))
+        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, learning_rates[optimizer], cfg), ("ps_peak_rss",))
 
     def tfps(optimizer: str) -> tuple[float, partial]:
         """Examples for tfps's run, and the run."""
         key = f"tfps_{optimizer}"
         rate = hints.get(key) or 0.8 * (rep.row.get("limit") or 20_000.0)
         examples = tfps_side.examples_for(rate, cfg)
-        return examples, partial(tfps_side.measure, shape, "async", examples, rate, rates[optimizer], optimizer=optimizer)
+        return examples, partial(tfps_side.measure, shape, "async", examples, rate, learning_rates[optimizer], optimizer=optimizer)
 
     def tfps_runs() -> None:
-        for optimizer in OPTIMIZERS if repeat % 2 == 0 else OPTIMIZERS[::-1]:
+        for optimizer in rep.in_turn(OPTIMIZERS, repeat):
             key = f"tfps_{optimizer}"
             rep.attempt(key, tfps(optimizer)[1], TFPS_FIGURES)
             if rep.row.get(key):

@@ -117,7 +117,7 @@ def measure_shape_once(
             hints[key] = row[key]
 
     def tfps_runs() -> None:
-        for mode, wire_dtype in TFPS_RUNS if repeat % 2 == 0 else TFPS_RUNS[::-1]:
+        for mode, wire_dtype in rep.in_turn(TFPS_RUNS, repeat):
             run_one(mode, wire_dtype)
 
     rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",), tfps_runs)

@@ -186,7 +186,7 @@ class Repeat:
             self.errors.append(f"{self.shape} {system}: {err}")
             self.progress(f"{self.shape} {label}: FAILED: {err}")
             # how much memory its processes held is unknown: an anchor killed by the OOM killer held the most
-            self._settle({"ps_peak_rss": SETTLE_AFTER_RSS}, "its processes' peak is unknown")
+            self._pause("its processes' peak is unknown")
             return None
         for name in figures:
             self.row[f"{system}:{name}"] = result.get(name)
@@ -197,6 +197,11 @@ class Repeat:
         self.progress(f"{self.shape} {label}: {self.row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s{again})")
         self._settle(result)
         return result
+
+    @staticmethod
+    def in_turn(items: Sequence, repeat: int) -> Sequence:
+        """`items` in order on even repeats and reversed on odd ones, so that no system always goes first."""
+        return items if repeat % 2 == 0 else items[::-1]
 
     def bracket(self, system: str, fn: Callable[[], dict], figures: Sequence[str], inner: Callable[[], None]) -> None:
         """`system` measured right before `inner()` (the measurements compared with it) and right
@@ -212,12 +217,14 @@ class Repeat:
         self.row[system] = sum(measured) / len(measured) if measured else None
         self.row[f"{system}:before"], self.row[f"{system}:after"] = before, after
 
-    def _settle(self, result: dict, why: str | None = None) -> None:
+    def _settle(self, result: dict) -> None:
         peak = result.get("ps_peak_rss") or 0
         if peak >= SETTLE_AFTER_RSS:
-            why = why or f"its PS held {peak / 2**30:.1f} GiB"
-            self.progress(f"{self.shape}: a {SETTLE_SECONDS:.0f} s pause for the machine to settle ({why})")
-            time.sleep(SETTLE_SECONDS)
+            self._pause(f"its PS held {peak / 2**30:.1f} GiB")
+
+    def _pause(self, why: str) -> None:
+        self.progress(f"{self.shape}: a {SETTLE_SECONDS:.0f} s pause for the machine to settle ({why})")
+        time.sleep(SETTLE_SECONDS)
 
 
 def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -> int:

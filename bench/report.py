@@ -47,10 +47,11 @@ EMBEDDING_LEGEND = (
     "training Keras 2 Embedding tables split over the PS by a variable partitioner; its Adam decays every row's slots "
     "each step, tfps's is lazy (only the touched rows). The limit moves only the touched rows' and the dense part's "
     "bytes, measured right before and right after tfps's runs, the mean of the two. Limit + update = the same, "
-    "the answering process also holding the tables and applying each push with the PS's own kernels (the dense part, then only the touched rows: lazily for Adam) and sending back the rows asked "
-    "for, taken from its tables; its push also carries the row ids, and its workers compute their next step while "
-    "it updates, as tfps's async workers do. PS state = the most loaded shard's parameters + "
-    "optimizer slots. Checkpointing = about three checkpoints of every shard written during the run."
+    "the answering process also holding the tables and applying each push with the PS's own kernels (the dense "
+    "part, then only the touched rows: lazily for Adam) and sending back the rows asked for, taken from its tables; "
+    "its push also carries the row ids, and its workers compute their next step while it updates, as tfps's async "
+    "workers do. PS state = the most loaded shard's parameters + optimizer slots. Checkpointing = about three "
+    "checkpoints of every shard written during the run."
 )
 
 
