@@ -45,6 +45,7 @@ ENV_WORKER_TIMEOUT = "TFPS_WORKER_TIMEOUT_SECONDS"  # PS: silence after which a 
 ENV_INTRA_OP_THREADS = "TFPS_INTRA_OP_THREADS"  # TensorFlow threads per pool (intra- and inter-op)
 ENV_DATA_PATH = "TFPS_DATA_PATH"  # worker: "0" sends Steps over gRPC even when a PS offers a data port
 ENV_PIPELINE = "TFPS_PIPELINE"  # "0": async workers wait for each push before computing on
+ENV_SCHED_BATCH = "TFPS_SCHED_BATCH"  # "0": keep the scheduling policy the process started with, not SCHED_BATCH
 ENV_CRASH_AT = "TFPS_TEST_CHECKPOINT_CRASH_AT"  # tests only: crash while writing this step's checkpoint
 ENV_OPERATOR_CONFIG = "TFPS_OPERATOR_CONFIG"  # the operator's configuration file (Helm values)
 

@@ -40,6 +40,7 @@ class ProcessSettings(BaseModel):
     intra_op_threads: int | None = Field(None, validation_alias=AliasChoices(naming.ENV_INTRA_OP_THREADS))
     data_path: bool = Field(True, validation_alias=AliasChoices(naming.ENV_DATA_PATH))
     pipeline: bool = Field(True, validation_alias=AliasChoices(naming.ENV_PIPELINE))
+    sched_batch: bool = Field(True, validation_alias=AliasChoices(naming.ENV_SCHED_BATCH))
     crash_at: int | None = Field(None, validation_alias=AliasChoices(naming.ENV_CRASH_AT))
 
     @field_validator("training", mode="before")

@@ -228,8 +228,13 @@ class Repeat:
 
 
 def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -> int:
-    """The entry point of a measurement whose module is also its own child processes."""
+    """The entry point of a measurement whose module is also its own child processes: the
+    references that stand for tfps's own processes (the limits, the ceiling), so they run
+    under the same scheduling policy as a tfps process (runtime/process.py)."""
+    from tfps.runtime.process import use_batch_scheduling
+
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    use_batch_scheduling()
     if args.child:
         child(args)
     else:

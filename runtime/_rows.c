@@ -519,9 +519,9 @@ static PyObject *np_frombuffer, *np_float32, *np_int64, *json_loads;
 
 static int parse_setup(void) {
     if (json_loads) return 0;
-    PyObject *json = PyImport_ImportModule("json"), *np = json ? PyImport_ImportModule("numpy") : NULL;
+    PyObject *wire = PyImport_ImportModule("tfps.runtime.wire"), *np = wire ? PyImport_ImportModule("numpy") : NULL;
     if (np) {
-        json_loads = PyObject_GetAttrString(json, "loads");
+        json_loads = PyObject_GetAttrString(wire, "json_loads");
         np_frombuffer = PyObject_GetAttrString(np, "frombuffer");
         PyObject *dtype = PyObject_GetAttrString(np, "dtype");
         if (dtype) {
@@ -530,7 +530,7 @@ static int parse_setup(void) {
             Py_DECREF(dtype);
         }
     }
-    Py_XDECREF(json);
+    Py_XDECREF(wire);
     Py_XDECREF(np);
     if (!json_loads || !np_frombuffer || !np_float32 || !np_int64) {
         Py_CLEAR(json_loads);

@@ -151,25 +151,37 @@ def _aligned_concat(pieces: list[np.ndarray]) -> np.ndarray:
 
 
 class _JoinedParams:
-    """The dense variables split over several PS, each received straight into one array: a
+    """What an exchange brings from several PS, each part received straight into one array: a
     part's bytes go from the socket to its rows (DataConnection.receive's `place`), with no
-    concatenation after (23 MB a step on the 5.8M MLP). Each variable's arrays are reused once
-    TensorFlow is done with them (ReplyBuffers)."""
+    concatenation after. Dense variables split over several PS (23 MB a step on the 5.8M MLP)
+    go into arrays reused once TensorFlow is done with them (ReplyBuffers); a table's rows asked
+    of several PS go into a new array of the batch's rows, each PS's where its ids are."""
 
     def __init__(self, plan: Placement, names: list[str]):
         split = [name for name in names if len(plan.parts_of(name)) > 1]
         self._parts = {part.name: (name, part) for name in split for part in plan.parts_of(name)}
         self._rows = {name: plan.parts_of(name)[-1].stop for name in split}
         self._pools = {name: ReplyBuffers() for name in split}
-        self._arrays: dict[str, np.ndarray] = {}  # per variable, its array in the exchange under way
+        self._arrays: dict[str, np.ndarray] = {}  # per variable or table, its array in the exchange under way
         self._slices: dict[str, np.ndarray] = {}  # per part, the rows of it handed out
+        self._row_places: dict[str, tuple[str, int, int, int]] = {}  # "<part>:rows" -> (table, start, stop, rows in all)
 
-    def place(self):
-        """A `place` for the replies of a new exchange (the arrays of the one before are let go)."""
+    def place(self, routes: dict | None = None):
+        """A `place` for the replies of a new exchange (the arrays of the one before are let go);
+        `routes`: per table, the routes of the rows it brings (Worker._sparse_plan)."""
         self._arrays, self._slices = {}, {}
-        return self._place if self._parts else None
+        self._row_places = {}
+        for table, table_routes in (routes or {}).items():
+            if len(table_routes) > 1:
+                total = int(table_routes[-1][1][-1]) + 1
+                for part, positions, _ in table_routes:
+                    self._row_places[f"{part.name}:rows"] = (table, int(positions[0]), int(positions[-1]) + 1, total)
+        return self._place if self._parts or self._row_places else None
 
     def _place(self, name: str, dtype: np.dtype, shape: tuple) -> np.ndarray | None:
+        rows = self._row_places.get(name)
+        if rows is not None:
+            return self._place_rows(name, dtype, shape, *rows)
         found = self._parts.get(name)
         if found is None or tuple(shape) != found[1].shape:
             return None
@@ -183,9 +195,19 @@ class _JoinedParams:
         self._slices[name] = rows = arr[part.start:part.stop]
         return rows
 
-    def joined(self, var: str, parts: list, pieces: list[np.ndarray]) -> np.ndarray | None:
-        """`var`'s array, when every one of its parts (`pieces`, from the replies) came straight into it."""
-        if all(piece is self._slices.get(part.name) for part, piece in zip(parts, pieces, strict=True)):
+    def _place_rows(self, name: str, dtype: np.dtype, shape: tuple, table: str, start: int, stop: int, total: int) -> np.ndarray | None:
+        if len(shape) != 2 or shape[0] != stop - start:
+            return None
+        arr = self._arrays.get(table)
+        if arr is None or arr.dtype != dtype or arr.shape[1] != shape[1]:
+            arr = self._arrays[table] = wire.aligned_array((total, shape[1]), dtype)
+        self._slices[name] = rows = arr[start:stop]
+        return rows
+
+    def joined(self, var: str, names: list[str], pieces: list[np.ndarray]) -> np.ndarray | None:
+        """The array of `var` (a dense variable or a table's rows), when every one of its parts
+        (`names`; `pieces`, from the replies) came straight into it."""
+        if all(piece is self._slices.get(name) for name, piece in zip(names, pieces, strict=True)):
             return self._arrays[var]
         return None
 
@@ -199,6 +221,7 @@ class _InFlight:
     metas: list[dict]
     tensors: list[dict]
     row_requests: list[dict]
+    routes: dict  # of the rows the replies bring (Worker._sparse_plan)
     sent: SentSteps
 
 
@@ -313,12 +336,16 @@ class Worker:
                 per_shard[part.ps][f"{part.name}:rows"] = local.astype(np.int64)
         return local_x, per_shard, routes
 
-    @staticmethod
-    def _rows_from(replies: list, routes: dict) -> dict[str, np.ndarray]:
+    def _rows_from(self, replies: list, routes: dict) -> dict[str, np.ndarray]:
         rows = {}
         for name, table_routes in routes.items():
-            pieces = [replies[part.ps].msg.tensors[f"{part.name}:rows"] for part, _, _ in table_routes]
-            rows[name] = pieces[0] if len(pieces) == 1 else _aligned_concat(pieces)
+            names = [f"{part.name}:rows" for part, _, _ in table_routes]
+            pieces = [replies[part.ps].msg.tensors[key] for (part, _, _), key in zip(table_routes, names, strict=True)]
+            if len(pieces) == 1:
+                rows[name] = pieces[0]
+            else:  # received straight into one array, or else joined now
+                whole = self._joined.joined(name, names, pieces)
+                rows[name] = whole if whole is not None else _aligned_concat(pieces)
         return rows
 
     def _take_params(self, replies: list[_Reply]) -> None:
@@ -326,7 +353,7 @@ class Worker:
             parts = self.plan.parts_of(name)
             pieces = [replies[p.ps].msg.tensors[p.name] for p in parts]
             if len(pieces) > 1:  # received straight into one array, or else joined now
-                whole = self._joined.joined(name, parts, pieces)
+                whole = self._joined.joined(name, [p.name for p in parts], pieces)
                 pieces = [whole if whole is not None else _aligned_concat(pieces)]
             self.params[name] = as_tensor(pieces[0])
 
@@ -399,7 +426,8 @@ class Worker:
         self.metrics.compute_seconds.observe(time.perf_counter() - t0)
         return loss, grads, routes, len(y)
 
-    def _send(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict]) -> _InFlight:
+    def _send(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict],
+              routes: dict | None = None) -> _InFlight:
         """Push to every shard; the replies (`_finish`) carry the next parameters. In async and
         bounded mode each push carries its sequence number, so that a retry whose first try was
         applied is not applied twice."""
@@ -408,10 +436,10 @@ class Worker:
         tensors = [{**shard_tensors[k], **row_requests[k]} for k in range(len(self.clients))]
         metas, sent = self._send_all([{**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})} for k in range(len(self.clients))],
                                      tensors)
-        return _InFlight(t0, tags, metas, tensors, row_requests, sent)
+        return _InFlight(t0, tags, metas, tensors, row_requests, routes or {}, sent)
 
     def _finish(self, inflight: _InFlight) -> list[_Reply]:
-        replies = self._complete(inflight.sent.replies(self._joined.place()), inflight.metas, inflight.tensors)
+        replies = self._complete(inflight.sent.replies(self._joined.place(inflight.routes)), inflight.metas, inflight.tensors)
         replies = self._absorb(replies, inflight.tags, inflight.row_requests)
         self.metrics.push_seconds.observe(time.perf_counter() - inflight.started)
         return replies
@@ -434,7 +462,8 @@ class Worker:
         next_requests, next_routes = [dict() for _ in self.clients], {}
         if self.sparse:
             _, _, next_requests, next_routes = self._batch_plan(step + 1)
-        inflight = self._send(list(self.versions), self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, next_requests)
+        inflight = self._send(list(self.versions), self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss},
+                              next_requests, next_routes)
         if not self.sparse:  # the next batch is made while the PS closes the step (with tables it was made before, for its rows)
             self._batch_plan(step + 1)
         replies = self._finish(inflight)
@@ -474,8 +503,8 @@ class Worker:
             requests, routes_ahead = [dict() for _ in self.clients], {}
             if self.sparse:
                 _, _, requests, routes_ahead = self._batch_plan(step + 2)
-            inflight = (self._send(tags, self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, requests),
-                        step + 2, routes_ahead)
+            inflight = (self._send(tags, self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, requests,
+                                   routes_ahead), step + 2, routes_ahead)
             step += 1
             self._count(loss, batch, t_step)
 

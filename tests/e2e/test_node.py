@@ -133,6 +133,14 @@ def test_the_ps_cpu_limit_is_its_cgroup_quota_and_the_cpus_it_sees(node):
         threads, node.cluster.pod_log(node.ns, "a-ps-0")[:3000])
 
 
+def test_the_ps_and_the_worker_run_under_sched_batch(node):
+    """Each sets SCHED_BATCH for itself at start, unprivileged (its pod has no capabilities), and
+    the kernel says its main process runs under it."""
+    for pod in ("a-ps-0", "a-worker-0"):
+        seen = node.exec(pod, "import os; print(os.sched_getscheduler(1) == os.SCHED_BATCH)").stdout.strip()
+        assert seen == "True", (pod, seen)
+
+
 def test_network_policy_admits_the_job_and_refuses_other_jobs(node):
     a_ps, b_ps = node.ip("a-ps-0"), node.ip("b-ps-0")
     for port in (2222, 2223):  # gRPC and the data path

@@ -45,3 +45,29 @@ def test_only_touched_rows_move():
         np.testing.assert_array_equal(final["embedding"][untouched], start["embedding"][untouched])
         assert not np.allclose(final["embedding"][touched], start["embedding"][touched])
         assert len(touched) < 0.05 * start["embedding"].shape[0]
+
+
+def test_a_tables_rows_from_two_ps_reach_the_worker_in_one_array():
+    """Both tables are split by rows over 2 PS. The rows of the next batch, asked of both with a
+    push, are received straight into one array per table (no concatenation after), each PS's
+    rows where its ids fall, and equal the rows the PS hold."""
+    training = TrainingSpec.model_validate({
+        "model": "wide-deep", "modelArgs": {"vocabSize": 20_000, "fields": 8, "embeddingDim": 16},
+        "steps": 50, "batchSize": 64, "optimizer": {"name": "sgd", "learningRate": 0.05},
+        "consistency": {"mode": "async"},
+    })
+    with InProcessCluster(training, num_ps=2, num_workers=1) as cluster:
+        worker = cluster.worker(0)
+        try:
+            worker.pull()
+            for _ in range(3):
+                worker.train_step()
+            _, _, _, routes = worker._batch_plan(worker._data_step())
+            assert worker.sparse.keys() == routes.keys() and len(routes) == 2
+            for name, table_routes in routes.items():
+                assert [part.ps for part, _, _ in table_routes] == [0, 1]  # the batch's ids fall on both PS
+                held = np.concatenate([cluster.shards[part.ps].vars[part.name][local] for part, _, local in table_routes])
+                np.testing.assert_array_equal(worker.rows[name], held)
+                assert worker.rows[name] is worker._joined._arrays[name]
+        finally:
+            worker.close()

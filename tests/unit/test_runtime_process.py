@@ -1,5 +1,6 @@
 """What PS and worker processes read from their environment, and `tfps local`'s restart rules."""
 import json
+import os
 import subprocess
 import sys
 
@@ -161,3 +162,31 @@ def test_settings_name_the_variables_api_naming_spells():
     assert aliases == declared
     s = ProcessSettings.from_env({"TFPS_PIPELINE": "0", "TFPS_DATA_PORT": "off", "TFPS_PS_RETRY_SECONDS": "7"})
     assert (s.pipeline, s.data_port_number, s.ps_retry_seconds, s.data_path) == (False, None, 7.0, True)
+
+
+_POLICY = r"""
+import os, sys, threading
+from tfps.runtime.process import use_batch_scheduling
+taken = use_batch_scheduling()
+seen = {}
+thread = threading.Thread(target=lambda: seen.update(policy=os.sched_getscheduler(0)))  # started after: inherits it
+thread.start()
+thread.join()
+names = {os.SCHED_OTHER: "other", os.SCHED_BATCH: "batch"}
+print(taken, names[os.sched_getscheduler(0)], names[seen["policy"]])
+"""
+
+
+@pytest.mark.parametrize("setting, policy", [(None, "batch"), ("0", "other")])
+def test_a_process_runs_under_sched_batch_unless_told_not_to(setting, policy):
+    """The kernel's own answer (sched_getscheduler), in a fresh process each: by default its
+    thread and the threads it starts after run under SCHED_BATCH; with TFPS_SCHED_BATCH=0 they
+    keep the policy the process started with."""
+    env = {k: v for k, v in os.environ.items() if k != "TFPS_SCHED_BATCH"}
+    if setting is not None:
+        env["TFPS_SCHED_BATCH"] = setting
+    # from the default policy, whatever this process runs under (a bench test may have set SCHED_BATCH)
+    other = lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # noqa: E731
+    out = subprocess.run([sys.executable, "-c", _POLICY], capture_output=True, text=True, check=True, env=env,
+                         preexec_fn=other).stdout.split()
+    assert out == ["batch" if policy == "batch" else "default", policy, policy]
