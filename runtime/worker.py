@@ -427,7 +427,7 @@ class Worker:
         return loss, grads, routes, len(y)
 
     def _send(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict],
-              routes: dict | None = None) -> _InFlight:
+              routes: dict) -> _InFlight:
         """Push to every shard; the replies (`_finish`) carry the next parameters. In async and
         bounded mode each push carries its sequence number, so that a retry whose first try was
         applied is not applied twice."""
@@ -436,7 +436,7 @@ class Worker:
         tensors = [{**shard_tensors[k], **row_requests[k]} for k in range(len(self.clients))]
         metas, sent = self._send_all([{**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})} for k in range(len(self.clients))],
                                      tensors)
-        return _InFlight(t0, tags, metas, tensors, row_requests, routes or {}, sent)
+        return _InFlight(t0, tags, metas, tensors, row_requests, routes, sent)
 
     def _finish(self, inflight: _InFlight) -> list[_Reply]:
         replies = self._complete(inflight.sent.replies(self._joined.place(inflight.routes)), inflight.metas, inflight.tensors)
@@ -479,7 +479,7 @@ class Worker:
         more staleness, communication hidden behind compute). With embedding tables, push k asks
         for the rows of batch k+2, the first one computed after its reply is in; the rows of the
         first two batches are pulled before."""
-        inflight = None  # (the exchange sent, the data step whose rows it brings, their routes)
+        inflight = None  # (the exchange sent, the data step whose rows it brings)
         step = self.clock
         ahead: dict[int, dict[str, np.ndarray]] = {}
         if self.sparse:
@@ -493,18 +493,18 @@ class Worker:
                 self.rows, self._rows_step = ahead.pop(step), step
             loss, grads, routes, batch = self._compute(step)
             if inflight is not None:
-                sent, rows_step, rows_routes = inflight
+                sent, rows_step = inflight
                 replies = self._finish(sent)
                 self._update_state(replies)
                 if self.sparse:
-                    ahead[rows_step] = self._rows_from(replies, rows_routes)
+                    ahead[rows_step] = self._rows_from(replies, sent.routes)
                 if self.done:
                     break
             requests, routes_ahead = [dict() for _ in self.clients], {}
             if self.sparse:
                 _, _, requests, routes_ahead = self._batch_plan(step + 2)
             inflight = (self._send(tags, self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, requests,
-                                   routes_ahead), step + 2, routes_ahead)
+                                   routes_ahead), step + 2)
             step += 1
             self._count(loss, batch, t_step)
 
