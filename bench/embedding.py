@@ -63,7 +63,7 @@ def load(shape: EmbeddingShape, seed: int = 0):
 
 
 ADAM_LEARNING_RATE = 0.001  # Adam's, the same on every side (SGD takes the bench's --learning-rate)
-TFPS_FIGURES = ("wire_bytes_per_step", "ps_peak_rss", "worker_peak_rss", "longest_step", "median_step")
+TFPS_FIGURES = ("wire_bytes_per_step", "ps_peak_rss", "worker_peak_rss", "longest_step", "p99_step", "median_step")
 ANCHOR_STARTUP_S = 240.0  # the anchor's servers on a busy machine, and TF's first steps on a large table
 
 

@@ -112,6 +112,8 @@ EMBEDDING_RATIOS: tuple[RatioDef, ...] = (
     *_embedding_ratios("adam", "Adam"),
     RatioDef("checkpoint_stall", "tfps_adam_ckpt:longest_step", "tfps_adam:longest_step",
              "Adam: longest step while checkpoints are written / longest step without", {}, at_most=True),
+    RatioDef("checkpoint_stall_p99", "tfps_adam_ckpt:p99_step", "tfps_adam:p99_step",
+             "Adam: 99th percentile step while checkpoints are written / without", {}, at_most=True),
 )
 # Cost that does not grow with the table: the large shape over the small one, paired by repeat.
 SCALE = ("10M", "2M")
@@ -240,7 +242,7 @@ def _embedding_table(embedding: dict[str, Any]):
 
     table = Table(title="large embeddings: medians of repeats (MiB: bytes per worker step, peak RSS; ms: worker 0's steps)")
     for col in ("shape", "system", "examples/s", "wire MiB/step", "PS peak RSS", "PS state", "worker peak RSS",
-                "median step ms", "longest step ms"):
+                "median step ms", "p99 step ms", "longest step ms"):
         table.add_column(col, justify="left" if col in ("shape", "system") else "right")
     for name, shape in embedding["shapes"].items():
         med = shape["medians"]
@@ -249,7 +251,8 @@ def _embedding_table(embedding: dict[str, Any]):
             wire = med.get(f"{key}:wire_bytes_per_step", med.get(f"{key}:bytes_per_step"))
             state = med.get(f"state_{opt}:shard") if not key.startswith("limit") else None  # the limit's process holds whole tables
             table.add_row(name, label, _fmt_rate(med.get(key)), _mib(wire), _mib(med.get(f"{key}:ps_peak_rss")), _mib(state),
-                          _mib(med.get(f"{key}:worker_peak_rss")), _ms(med.get(f"{key}:median_step")), _ms(med.get(f"{key}:longest_step")))
+                          _mib(med.get(f"{key}:worker_peak_rss")), _ms(med.get(f"{key}:median_step")),
+                          _ms(med.get(f"{key}:p99_step")), _ms(med.get(f"{key}:longest_step")))
     return table
 
 

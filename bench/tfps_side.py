@@ -96,6 +96,7 @@ def _per_step(result: dict, mode: str, shape) -> dict:
         "ps_peak_rss": max((v for k, v in rss.items() if k.startswith("ps-") and v), default=None),
         "worker_peak_rss": max((v for k, v in rss.items() if k.startswith("worker-") and v), default=None),
         "longest_step": steps.get("max"),  # worker 0's, past its first tenth
+        "p99_step": steps.get("p99"),
         "median_step": steps.get("median"),
     }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the cluster, the images, the tests and the demo use. Idempotent
 # and quiet when everything is present.
-#   openssl (the PKI), util-linux (unshare), prometheus + promtool (the metrics tests),
+#   openssl (the PKI), util-linux (unshare), util-linux-extra (fincore: a test that checkpoints
+#   bypass the page cache), prometheus + promtool (the metrics tests),
 #   the node: containerd + runc, the CNI plugins, iptables, ipset, conntrack, iproute2,
 #   the images: buildah (daemonless builds) and mmdebstrap (the Debian base image),
 #   gcc and Python's headers (pip builds the PS's C update kernels, runtime/_rows.c).
@@ -10,6 +11,7 @@ need=()
 want() { command -v "$1" >/dev/null || [ -e "$1" ] || need+=("$2"); }
 want openssl openssl
 want unshare util-linux
+want fincore util-linux-extra
 want prometheus prometheus
 want promtool prometheus
 want containerd containerd

@@ -1,7 +1,8 @@
 """Atomic per-shard checkpoints: `<path>/ps-<i>/shard.tfps`, in the wire format.
 
-Written to a temporary file in the same folder, fsynced, renamed over the old one and the
-folder fsynced: a reader sees the previous checkpoint or the new one, never half of one.
+Written to a temporary file in the same folder, around the page cache (`DirectFile`), fsynced,
+renamed over the old one and the folder fsynced: a reader sees the previous checkpoint or the
+new one, never half of one.
 
 A checkpoint written by another number of PS is re-sharded on restore: each new shard
 assembles its parts' rows, and the same rows of their optimizer slots, from the old shards'
@@ -12,6 +13,8 @@ their own pace); the per-worker clocks likewise.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -47,13 +50,15 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
     target = folder / FILE_NAME
     fd, tmp = tempfile.mkstemp(prefix=".shard-", suffix=".tmp", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            # straight from the tensors' memory (a RowSnapshot's a block at a time): no copy of
-            # the shard is made to write it
+        out = DirectFile(fd)
+        try:
+            # from the tensors' memory (a RowSnapshot's a block at a time) through one staging
+            # buffer: no copy of the shard is made to write it
             for piece in wire.expand(wire.pieces(meta, tensors)):
-                fh.write(piece)
-            fh.flush()
-            os.fsync(fh.fileno())
+                out.write(piece)
+            out.finish()
+        finally:
+            os.close(fd)
         _crash_hook(folder, meta)
         os.replace(tmp, target)
     except BaseException:
@@ -65,6 +70,65 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
     finally:
         os.close(dir_fd)
     return target
+
+
+class DirectFile:
+    """Writes a file around the page cache (O_DIRECT) through an aligned staging buffer;
+    `finish()` writes what is left, cuts the file to its length and fsyncs it.
+
+    A checkpoint is written once and not read soon. Through the page cache, the writer copies
+    each byte into the cache and the kernel writes it back later: CPU time taken from the cores
+    training shares, in the steps that run while a checkpoint is written (a 768 MB shard cost
+    the machine 1.4-2.6 CPU-seconds on a 2-core VM, against 0.3-0.4 direct), and the cache
+    filled with the checkpoint. Where the filesystem refuses O_DIRECT, at the start or at a
+    write, the file goes on through the cache."""
+
+    ALIGN = 4096  # O_DIRECT's alignment of buffer address, file offset and length (a page)
+    STAGE_BYTES = 4 << 20
+
+    def __init__(self, fd: int):
+        self.fd, self.size, self.fill = fd, 0, 0
+        self.buf = wire.aligned_empty(self.STAGE_BYTES, self.ALIGN)
+        self.direct = self._set_direct(True)
+
+    def _set_direct(self, on: bool) -> bool:
+        if not hasattr(os, "O_DIRECT"):
+            return False
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+        except OSError:  # EINVAL: this filesystem has no O_DIRECT
+            return False
+        return on
+
+    def write(self, data) -> None:
+        src = np.frombuffer(data, np.uint8)
+        while src.size:
+            n = min(src.size, self.buf.size - self.fill)
+            self.buf[self.fill:self.fill + n] = src[:n]
+            self.fill += n
+            src = src[n:]
+            if self.fill == self.buf.size:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Write the staged bytes, the last ones padded to ALIGN (`finish` cuts the padding off)."""
+        view = memoryview(self.buf[:-(-self.fill // self.ALIGN) * self.ALIGN])
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except OSError as err:
+                if err.errno != errno.EINVAL or not self.direct:
+                    raise
+                self.direct = self._set_direct(False)  # refused at a write: nothing was written
+        self.size += self.fill
+        self.fill = 0
+
+    def finish(self) -> None:
+        if self.fill:
+            self._flush()
+        os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
 
 
 def _crash_hook(folder: Path, meta: dict) -> None:

@@ -127,10 +127,10 @@ def expand(parts: Iterable) -> Iterator:
             yield piece
 
 
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An uninitialised uint8 buffer starting on an ALIGN boundary."""
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """An uninitialised uint8 buffer starting on an `align` boundary."""
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
     return raw[start:start + nbytes]
 
 

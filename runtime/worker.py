@@ -544,7 +544,8 @@ class Worker:
         times = self.step_times[max(2, len(self.step_times) // WARM_UP_ONE_IN):]
         if not times:
             return None
-        return {"steps": len(times), "median": float(np.median(times)), "max": float(np.max(times))}
+        return {"steps": len(times), "median": float(np.median(times)), "p99": float(np.percentile(times, 99)),
+                "max": float(np.max(times))}
 
     def finish(self, export_path: str | None = None) -> dict:
         evaluate_now = self.test is not None and len(self.test) > 0

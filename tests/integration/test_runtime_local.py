@@ -37,6 +37,8 @@ def test_digits_example_reaches_95_percent(undisturbed):
     assert undisturbed["accuracy"] >= 0.95
     assert undisturbed["examples_per_second"] > 0 and undisturbed["wall_seconds"] > 0
     assert undisturbed["loss"] < 0.5
+    steps = undisturbed["step_seconds"]  # worker 0's, past its first tenth
+    assert steps["steps"] > 0 and 0 < steps["median"] <= steps["p99"] <= steps["max"]
 
 
 def _scrape(run, rtype, index) -> str:

@@ -115,9 +115,9 @@ EMBEDDING_2M = {"limit": 50000.0, "limit:bytes_per_step": 1.0 * MIB, "tf_pss_sgd
                 "tfps_sgd:wire_bytes_per_step": 1.1 * MIB, "tfps_sgd:ps_peak_rss": 900.0 * MIB, "state_sgd:shard": 260.0 * MIB,
                 "tfps_sgd:worker_peak_rss": 700.0 * MIB, "tf_pss_adam": 800.0, "tfps_adam": 30000.0,
                 "tfps_adam:wire_bytes_per_step": 1.3 * MIB, "tfps_adam:ps_peak_rss": 1000.0 * MIB, "state_adam:shard": 780.0 * MIB,
-                "tfps_adam:worker_peak_rss": 700.0 * MIB, "tfps_adam:longest_step": 0.2, "tfps_adam_ckpt": 29000.0,
+                "tfps_adam:worker_peak_rss": 700.0 * MIB, "tfps_adam:longest_step": 0.2, "tfps_adam:p99_step": 0.02, "tfps_adam_ckpt": 29000.0,
                 "tf_pss_adam:ps_peak_rss": 2345.0 * MIB,
-                "tfps_adam_ckpt:longest_step": 0.5, "limit_update_sgd": 46000.0, "limit_update_adam": 35000.0}
+                "tfps_adam_ckpt:longest_step": 0.5, "tfps_adam_ckpt:p99_step": 0.03, "limit_update_sgd": 46000.0, "limit_update_adam": 35000.0}
 
 
 def test_embedding_goals_at_least_and_at_most():
@@ -130,6 +130,7 @@ def test_embedding_goals_at_least_and_at_most():
     assert out["adam_ps_rss"]["median"] == pytest.approx(1000 / 780) and out["adam_ps_rss"]["met"] is True
     assert out["sgd_ps_rss"]["met"] is False
     assert out["checkpoint_stall"]["median"] == pytest.approx(2.5) and out["checkpoint_stall"]["goal"] is None
+    assert out["checkpoint_stall_p99"]["median"] == pytest.approx(1.5) and out["checkpoint_stall_p99"]["goal"] is None
     # the limit with the update: references, no goals
     assert out["adam_vs_limit_update"]["median"] == pytest.approx(30000 / 35000) and out["adam_vs_limit_update"]["goal"] is None
     assert out["limit_update_sgd_vs_limit"]["median"] == pytest.approx(0.92) and out["limit_update_sgd_vs_limit"]["text"] == ""
