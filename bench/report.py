@@ -232,6 +232,10 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:,.0f}"
 
 
+def _ms_pair(first: float | None, second: float | None) -> str:
+    return "–" if first is None and second is None else f"{_ms(first)} / {_ms(second)}"
+
+
 def _ratio_row(table, shape: str, entry: dict[str, Any], label: str | None = None) -> None:
     per = " ".join(_fmt(v) for v in entry["values"])
     table.add_row(shape, label or entry["label"], per, _fmt(entry["median"]), _status_markup(entry))
@@ -242,7 +246,7 @@ def _embedding_table(embedding: dict[str, Any]):
 
     table = Table(title="large embeddings: medians of repeats (MiB: bytes per worker step, peak RSS; ms: worker 0's steps)")
     for col in ("shape", "system", "examples/s", "wire MiB/step", "PS peak RSS", "PS state", "worker peak RSS",
-                "median step ms", "p99 step ms", "longest step ms"):
+                "median ms", "p99 / longest ms"):
         table.add_column(col, justify="left" if col in ("shape", "system") else "right")
     for name, shape in embedding["shapes"].items():
         med = shape["medians"]
@@ -252,7 +256,7 @@ def _embedding_table(embedding: dict[str, Any]):
             state = med.get(f"state_{opt}:shard") if not key.startswith("limit") else None  # the limit's process holds whole tables
             table.add_row(name, label, _fmt_rate(med.get(key)), _mib(wire), _mib(med.get(f"{key}:ps_peak_rss")), _mib(state),
                           _mib(med.get(f"{key}:worker_peak_rss")), _ms(med.get(f"{key}:median_step")),
-                          _ms(med.get(f"{key}:p99_step")), _ms(med.get(f"{key}:longest_step")))
+                          _ms_pair(med.get(f"{key}:p99_step"), med.get(f"{key}:longest_step")))
     return table
 
 
