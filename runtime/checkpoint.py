@@ -52,10 +52,13 @@ def write(folder: str | Path, meta: dict, tensors: dict[str, np.ndarray]) -> Pat
     try:
         out = DirectFile(fd)
         try:
-            # from the tensors' memory (a RowSnapshot's a block at a time) through one staging
-            # buffer: no copy of the shard is made to write it
-            for piece in wire.expand(wire.pieces(meta, tensors)):
-                out.write(piece)
+            # from the tensors' memory through one staging buffer (a RowSnapshot's blocks are
+            # copied into it straight from the table): no copy of the shard is made to write it
+            for piece in wire.pieces(meta, tensors):
+                if isinstance(piece, RowSnapshot):
+                    out.write_snapshot(piece)
+                else:
+                    out.write(piece)
             out.finish()
         finally:
             os.close(fd)
@@ -109,11 +112,34 @@ class DirectFile:
             self.fill += n
             src = src[n:]
             if self.fill == self.buf.size:
-                self._flush()
+                self._flush(self.fill)
 
-    def _flush(self) -> None:
-        """Write the staged bytes, the last ones padded to ALIGN (`finish` cuts the padding off)."""
-        view = memoryview(self.buf[:-(-self.fill // self.ALIGN) * self.ALIGN])
+    def write_snapshot(self, snap: RowSnapshot) -> None:
+        """A RowSnapshot's bytes, each block copied from the table straight into the staging
+        buffer (one copy of the table to write it, not two). The blocks are copied under the
+        table's lock, so the buffer is written out between them, never while it is held."""
+        room = self.buf.size - self.ALIGN  # what a flush leaves at least
+        if snap.block_bytes > room:  # rows wider than the buffer: not staged in place
+            for block in snap.blocks():
+                self.write(block)
+            return
+        self._make_room(snap.block_bytes)
+        for block in snap.blocks(into=self._next):
+            self.fill += block.nbytes
+            self._make_room(snap.block_bytes)
+
+    def _make_room(self, n: int) -> None:
+        if self.buf.size - self.fill < n:
+            self._flush(self.fill // self.ALIGN * self.ALIGN)
+
+    def _next(self, n: int) -> np.ndarray:
+        """The next `n` bytes of the staging buffer (`_make_room` made them), for the caller to fill."""
+        return self.buf[self.fill:self.fill + n]
+
+    def _flush(self, n: int) -> None:
+        """Write the first `n` staged bytes (a multiple of ALIGN, or all of them with the last
+        padded: `finish` cuts the padding off) and move the rest to the buffer's start."""
+        view = memoryview(self.buf[:-(-n // self.ALIGN) * self.ALIGN])
         while view:
             try:
                 view = view[os.write(self.fd, view):]
@@ -121,12 +147,15 @@ class DirectFile:
                 if err.errno != errno.EINVAL or not self.direct:
                     raise
                 self.direct = self._set_direct(False)  # refused at a write: nothing was written
-        self.size += self.fill
-        self.fill = 0
+        rest = self.fill - n
+        if rest > 0:
+            self.buf[:rest] = self.buf[n:self.fill]
+        self.size += n
+        self.fill = max(0, rest)
 
     def finish(self) -> None:
         if self.fill:
-            self._flush()
+            self._flush(self.fill)
         os.ftruncate(self.fd, self.size)
         os.fsync(self.fd)
 
@@ -222,14 +251,29 @@ class RowSnapshot:
             self._kept[rows] = True
             self._saved.append((rows, self.array[rows], int(rows.max())))
 
-    def blocks(self):
-        n = self.shape[0]
-        step = max(1, self.BLOCK_BYTES // max(1, self.nbytes // max(1, n)))
+    @property
+    def _block_rows(self) -> int:
+        return max(1, self.BLOCK_BYTES // max(1, self.nbytes // max(1, self.shape[0])))
+
+    @property
+    def block_bytes(self) -> int:
+        """The largest block's size."""
+        return min(self.shape[0], self._block_rows) * (self.nbytes // max(1, self.shape[0]))
+
+    def blocks(self, into=None):
+        """The rows in order, a block at a time; with `into` (nbytes -> a writable uint8 array of
+        that size), each block is copied there (a writer's staging buffer) instead of into a new array."""
+        n, step = self.shape[0], self._block_rows
         try:
             for lo in range(0, n, step):
                 hi = min(n, lo + step)
                 with self.lock:
-                    block = self.array[lo:hi].copy()
+                    src = self.array[lo:hi]
+                    if into is None:
+                        block = src.copy()
+                    else:
+                        block = into(src.nbytes).view(self.dtype).reshape(src.shape)
+                        block[...] = src
                     self.written = hi
                     # entries wholly below `lo` were put back in earlier blocks
                     self._saved = saved = [e for e in self._saved if e[2] >= lo]

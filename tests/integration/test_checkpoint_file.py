@@ -10,6 +10,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -50,6 +51,7 @@ def test_a_checkpoint_is_written_around_the_page_cache_and_reads_back_whole(tmp_
 
 WRITE_ON_RAMFS = """
 import sys
+import threading
 import numpy as np
 from tfps.runtime import checkpoint, wire
 tensors = {"w": np.arange(1_500_000, dtype=np.float32)}
@@ -84,4 +86,28 @@ def test_o_direct_refused_at_a_write_goes_on_through_the_cache(tmp_path, monkeyp
     monkeypatch.setattr(checkpoint.os, "write", write)
     path = checkpoint.write(tmp_path, META, TENSORS)
     assert refused == [checkpoint.DirectFile.STAGE_BYTES]
+    assert path.read_bytes() == wire.encode(META, TENSORS)
+
+
+def test_a_table_that_training_changes_while_it_is_written_is_saved_as_it_was(tmp_path, monkeypatch):
+    """Rows of an embedding table change between the writer's blocks (each time the staging
+    buffer goes to disk, outside the table's lock: a plain Lock would deadlock otherwise), rows
+    ahead of the writer and behind it; the file holds the table as it was at the snapshot."""
+    table = TENSORS["table"].copy()
+    lock = threading.Lock()
+    snap = checkpoint.RowSnapshot(table, lock)
+    real_flush, rng, changed = checkpoint.DirectFile._flush, np.random.default_rng(1), []
+
+    def flush_while_training(self, n):
+        with lock:
+            rows = np.unique(rng.integers(0, len(table), 2_000))
+            snap.before_update(rows)
+            table[rows] += 1.0
+            changed.append(len(rows))
+        real_flush(self, n)
+
+    monkeypatch.setattr(checkpoint.DirectFile, "_flush", flush_while_training)
+    path = checkpoint.write(tmp_path, META, {**TENSORS, "table": snap})
+
+    assert len(changed) > 1 and not np.array_equal(table, TENSORS["table"])
     assert path.read_bytes() == wire.encode(META, TENSORS)
