@@ -28,7 +28,7 @@ import numpy as np
 
 from tfps.api.settings import ProcessSettings
 
-from . import wire
+from . import _rows as kernels, wire
 from .sharding import Part, Placement
 
 log = logging.getLogger("tfps.ps")
@@ -248,8 +248,10 @@ class RowSnapshot:
             self._kept = np.zeros(self.shape[0], bool)
         rows = rows[~self._kept[rows]]
         if rows.size:
+            if not kernels.check_rows(rows, len(self._kept)):  # put_back takes them increasing
+                rows = np.unique(rows)
             self._kept[rows] = True
-            self._saved.append((rows, self.array[rows], int(rows.max())))
+            self._saved.append((rows, self.array[rows].reshape(len(rows), -1), int(rows[-1])))
 
     @property
     def _block_rows(self) -> int:
@@ -277,10 +279,7 @@ class RowSnapshot:
                     self.written = hi
                     # entries wholly below `lo` were put back in earlier blocks
                     self._saved = saved = [e for e in self._saved if e[2] >= lo]
-                for rows, values, _ in saved:
-                    inside = (rows >= lo) & (rows < hi)
-                    if inside.any():
-                        block[rows[inside] - lo] = values[inside]
+                kernels.put_back(block.reshape(hi - lo, -1), lo, saved)
                 yield block
                 del block, saved  # before the next block is copied
         finally:

@@ -7,8 +7,10 @@ import threading
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from tfps.api.spec import TrainingSpec
+from tfps.runtime import _rows as kernels
 from tfps.runtime import checkpoint, wire
 from tfps.runtime.checkpoint import RowSnapshot, load_rows
 from tfps.runtime.metrics import Identity, PSMetrics
@@ -96,6 +98,32 @@ def test_a_row_snapshot_reads_the_table_as_it_was_while_updates_go_on():
     np.testing.assert_array_equal(np.concatenate(blocks), at_snapshot)
     assert snap.done and not snap._saved
     assert not np.array_equal(table, at_snapshot)
+
+
+def test_rows_kept_in_any_order_are_put_back_where_they_belong():
+    table = np.arange(100 * 3, dtype=np.float32).reshape(100, 3)
+    at_snapshot, lock = table.copy(), threading.Lock()
+    snap = RowSnapshot(table, lock)
+    snap.BLOCK_BYTES = 10 * 12  # 10 rows a block
+    blocks = snap.blocks()
+    first = next(blocks).copy()
+    with lock:
+        rows = np.array([57, 3, 90, 12, 99, 10])  # not sorted; 3 is read already
+        snap.before_update(rows)
+        table[rows] = -1.0
+    np.testing.assert_array_equal(np.concatenate([first, *blocks]), at_snapshot)
+
+
+def test_putting_back_rows_refuses_values_that_do_not_fit_the_block():
+    block = np.zeros((4, 3), np.float32)
+    with pytest.raises(ValueError, match="values of shape \\[2, 2\\] for 2 rows of width 3"):
+        kernels.put_back(block, 0, [(np.array([0, 1]), np.zeros((2, 2), np.float32), 1)])
+    with pytest.raises(TypeError, match="rows"):
+        kernels.put_back(block, 0, [(np.array([0.0, 1.0]), np.zeros((2, 3), np.float32), 1)])
+    with pytest.raises(TypeError, match="tuples"):
+        kernels.put_back(block, 0, [np.array([0, 1])])
+    kernels.put_back(block, 10, [(np.array([1, 11, 12, 20]), np.ones((4, 3), np.float32), 20)])
+    np.testing.assert_array_equal(block, [[0, 0, 0], [1, 1, 1], [1, 1, 1], [0, 0, 0]])
 
 
 def test_a_checkpoint_is_the_state_of_its_version_though_training_goes_on(tmp_path):
