@@ -46,7 +46,10 @@ __attribute__((noinline)) static int finite_floats(const float *restrict x, Py_s
 
 static void release(Buf *bufs, int n) {
     for (int i = 0; i < n; i++)
-        if (bufs[i].held) PyBuffer_Release(&bufs[i].view);
+        if (bufs[i].held) {
+            PyBuffer_Release(&bufs[i].view);
+            bufs[i].held = 0;
+        }
 }
 
 /* `obj` as a C-contiguous buffer of `ndim` dimensions whose items have the struct format `fmt`
@@ -524,7 +527,6 @@ static PyObject *put_back(PyObject *self, PyObject *args) {
         }
         for (; a < k && r[a] < hi; a++) memcpy(out + (r[a] - lo) * d, v + a * d, d * sizeof(float));
         release(bufs + 1, 2);
-        bufs[1].held = bufs[2].held = 0;
     }
     release(bufs, 3);
     Py_RETURN_NONE;

@@ -151,7 +151,7 @@ class DirectFile:
         if rest > 0:
             self.buf[:rest] = self.buf[n:self.fill]
         self.size += n
-        self.fill = max(0, rest)
+        self.fill = rest
 
     def finish(self) -> None:
         if self.fill:
@@ -254,13 +254,17 @@ class RowSnapshot:
             self._saved.append((rows, self.array[rows].reshape(len(rows), -1), int(rows[-1])))
 
     @property
+    def _row_bytes(self) -> int:
+        return self.nbytes // max(1, self.shape[0])
+
+    @property
     def _block_rows(self) -> int:
-        return max(1, self.BLOCK_BYTES // max(1, self.nbytes // max(1, self.shape[0])))
+        return max(1, self.BLOCK_BYTES // max(1, self._row_bytes))
 
     @property
     def block_bytes(self) -> int:
         """The largest block's size."""
-        return min(self.shape[0], self._block_rows) * (self.nbytes // max(1, self.shape[0]))
+        return min(self.shape[0], self._block_rows) * self._row_bytes
 
     def blocks(self, into=None):
         """The rows in order, a block at a time; with `into` (nbytes -> a writable uint8 array of

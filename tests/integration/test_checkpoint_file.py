@@ -51,7 +51,6 @@ def test_a_checkpoint_is_written_around_the_page_cache_and_reads_back_whole(tmp_
 
 WRITE_ON_RAMFS = """
 import sys
-import threading
 import numpy as np
 from tfps.runtime import checkpoint, wire
 tensors = {"w": np.arange(1_500_000, dtype=np.float32)}
