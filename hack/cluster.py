@@ -474,7 +474,8 @@ def controller_manager_argv(p: Paths, info: dict) -> list[str]:
 def scheduler_argv(p: Paths, info: dict) -> list[str]:
     return [str(binary("kube-scheduler")), f"--kubeconfig={p.kubeconfig}",
             "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
-            FEATURE_GATES, "--profiling=false", "--v=1"]
+            # v=2: each binding, each "no fit" and each preemption, for the failure reports
+            FEATURE_GATES, "--profiling=false", "--v=2"]
 
 
 def containerd_argv(p: Paths, info: dict) -> list[str]:

@@ -142,9 +142,29 @@ def create_nodes(p: cluster.Paths, nodes: list[dict]) -> None:
             raise RuntimeError(f"creating node {manifest['metadata']['name']}: {code} {body[:300]!r}")
 
 
-def delete_nodes(p: cluster.Paths, names: list[str]) -> None:
+def delete_nodes(p: cluster.Paths, names: list[str], timeout: float = 30) -> None:
+    """The nodes deleted, and the pods bound to them with them, before it returns. Left to the
+    cluster, those pods stay (no kubelet finishes them) until the pod GC's quarantine (40 s) ends,
+    and a node made again under the same name meanwhile starts with them on it."""
     for name in names:
         _api(p, f"/api/v1/nodes/{name}", "DELETE")
+    deadline = time.monotonic() + timeout
+    while bound := _pods_bound_to(p, names):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"pods still bound to deleted kwok nodes after {timeout:.0f}s: {bound[:5]}")
+        for namespace, pod in bound:
+            _api(p, f"/api/v1/namespaces/{namespace}/pods/{pod}?gracePeriodSeconds=0", "DELETE")
+        time.sleep(0.2)
+
+
+def _pods_bound_to(p: cluster.Paths, names: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for name in names:
+        code, body = _api(p, f"/api/v1/pods?fieldSelector=spec.nodeName%3D{name}")
+        if code != 200:
+            raise RuntimeError(f"listing the pods on {name}: {code} {body[:300]!r}")
+        out += [(i["metadata"]["namespace"], i["metadata"]["name"]) for i in json.loads(body)["items"]]
+    return out
 
 
 def nodes_ready(p: cluster.Paths, names: list[str], label: tuple[str, str] = NODE_LABEL) -> bool:

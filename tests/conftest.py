@@ -184,13 +184,34 @@ def namespace(cluster, request):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test that used the cluster shows the node's state with its failure: whether it is
-    Ready and tainted, which components are down, the kubelet's last lines."""
+    Ready and tainted, which components are down, the kubelet's last lines, and for a test with
+    a namespace where its pods are (bound, or why not) and what the scheduler said of them."""
     report = (yield).get_result()
     if report.failed and report.when in ("setup", "call") and "cluster" in item.fixturenames:
-        report.sections.append(("the cluster when the test failed", _cluster_state()))
+        report.sections.append(("the cluster when the test failed", _cluster_state(item.funcargs.get("namespace"))))
 
 
-def _cluster_state() -> str:
+def _pods_state(api, namespace: str) -> list[str]:
+    from kubernetes import client
+
+    lines = [f"pods in {namespace}:"]
+    for pod in client.CoreV1Api(api).list_namespaced_pod(namespace).items:
+        scheduled = next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)
+        why = f" ({scheduled.reason}: {scheduled.message})" if scheduled and scheduled.status != "True" else ""
+        lines.append(f"  {pod.metadata.name}: {pod.status.phase}, node {pod.spec.node_name or '-'}{why}")
+    return lines
+
+
+def _scheduler_lines(log: Path, namespace: str, n: int = 40) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return ""
+    mine = [line.replace(f"{namespace}/", "") for line in text.splitlines() if namespace in line]
+    return "\n".join(mine[-n:])
+
+
+def _cluster_state(namespace: str | None = None) -> str:
     hc = _hack_cluster()
     p = hc.Paths(hc.state_dir())
     try:
@@ -199,7 +220,14 @@ def _cluster_state() -> str:
         lines = [f"components down: {', '.join(down) or 'none'}"]
         if info.get("apiserver_url"):
             lines.append(f"node {hc.NODE_NAME}: {hc.node_summary(p, info['apiserver_url'])}")
-        return "\n".join([*lines, "kubelet log:", hc.tail(p.logfile("kubelet"), 15)])
+        lines += ["kubelet log:", hc.tail(p.logfile("kubelet"), 15)]
+        if namespace and p.kubeconfig.exists():
+            from kubernetes import config
+
+            with config.new_client_from_config(config_file=str(p.kubeconfig)) as api:
+                lines += _pods_state(api, namespace)
+            lines += [f"kube-scheduler log, lines naming {namespace}:", _scheduler_lines(p.logfile("kube-scheduler"), namespace)]
+        return "\n".join(lines)
     except Exception as err:  # a report of the state must not hide the test's own failure
         return f"could not read the cluster's state: {err!r}"
 
