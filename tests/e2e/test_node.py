@@ -69,8 +69,8 @@ class Node:
         return self.pod(name).status.pod_ip
 
     def exec(self, pod: str, code: str, check: bool = True) -> subprocess.CompletedProcess:
-        """`kubectl exec` a Python snippet in the pod's first container."""
-        return self.cluster.kubectl("exec", "-n", self.ns, pod, "--", "python3", "-c", code, check=check, timeout=60)
+        """`kubectl exec` a Python snippet in the pod's first container (its own exit status)."""
+        return self.cluster.exec_python(self.ns, pod, code, check=check)
 
     def connects(self, pod: str, ip: str, port: int) -> bool:
         code = (f"import socket,sys\ntry:\n socket.create_connection(({ip!r}, {port}), timeout=3).close()\n"
