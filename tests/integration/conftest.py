@@ -183,7 +183,7 @@ def tfps_operator(crds, namespace, tmp_path, request):
 @pytest.fixture
 def kwok_nodes(cluster, tmp_path):
     """Starts kwok (hack/kwok.py) with the given fake nodes, for the rest of the test:
-    `kwok_nodes([kwok.node_manifest(...), ...])`. Stopped, and its nodes deleted, afterwards."""
+    `kwok_nodes([kwok.node_manifest(...), ...])`. Stopped afterwards, its nodes deleted with their pods."""
     kwok = hack_module("kwok")
     with contextlib.ExitStack() as stack:
         def start(nodes: list[dict]):
