@@ -207,7 +207,8 @@ def pytest_runtest_makereport(item, call):
     a namespace where its pods are (bound, or why not) and what the scheduler said of them."""
     report = (yield).get_result()
     if report.failed and report.when in ("setup", "call") and "cluster" in item.fixturenames:
-        report.sections.append(("the cluster when the test failed", _cluster_state(item.funcargs.get("namespace"))))
+        report.sections.append(("the cluster when the test failed",
+                                _cluster_state(item.funcargs.get("cluster"), item.funcargs.get("namespace"))))
 
 
 def _pods_state(api, namespace: str) -> list[str]:
@@ -230,7 +231,7 @@ def _scheduler_lines(log: Path, namespace: str, n: int = 40) -> str:
     return "\n".join(mine[-n:])
 
 
-def _cluster_state(namespace: str | None = None) -> str:
+def _cluster_state(cluster: Cluster | None = None, namespace: str | None = None) -> str:
     hc = _hack_cluster()
     p = hc.Paths(hc.state_dir())
     try:
@@ -240,11 +241,8 @@ def _cluster_state(namespace: str | None = None) -> str:
         if info.get("apiserver_url"):
             lines.append(f"node {hc.NODE_NAME}: {hc.node_summary(p, info['apiserver_url'])}")
         lines += ["kubelet log:", hc.tail(p.logfile("kubelet"), 15)]
-        if namespace and p.kubeconfig.exists():
-            from kubernetes import config
-
-            with config.new_client_from_config(config_file=str(p.kubeconfig)) as api:
-                lines += _pods_state(api, namespace)
+        if cluster and namespace:
+            lines += _pods_state(cluster.api, namespace)
             lines += [f"kube-scheduler log, lines naming {namespace}:", _scheduler_lines(p.logfile("kube-scheduler"), namespace)]
         return "\n".join(lines)
     except Exception as err:  # a report of the state must not hide the test's own failure
