@@ -38,7 +38,7 @@ def child(args: argparse.Namespace) -> None:
         loss, grads = grad_step(*next(batches))
         grads[-1].numpy()  # wait for the step, as a worker would before pushing
 
-    steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)
+    steps, elapsed, _ = timed_window(step, args.warmup_seconds, args.seconds)
     print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed, "threads": threads}), flush=True)
 
 

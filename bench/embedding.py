@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from .procs import ANCHOR_CRASH_RETRIES, Repeat, child_env, module_cmd, run_json
+from .procs import ANCHOR_CRASH_RETRIES, CPU_FIGURES, Repeat, child_env, module_cmd, run_json
 
 MODEL = "wide-deep"
 OPTIMIZERS = ("sgd", "adam")
@@ -63,7 +63,7 @@ def load(shape: EmbeddingShape, seed: int = 0):
 
 
 ADAM_LEARNING_RATE = 0.001  # Adam's, the same on every side (SGD takes the bench's --learning-rate)
-TFPS_FIGURES = ("wire_bytes_per_step", "ps_peak_rss", "worker_peak_rss", "longest_step", "p99_step", "median_step")
+TFPS_FIGURES = ("wire_bytes_per_step", "ps_peak_rss", "worker_peak_rss", "longest_step", "p99_step", "median_step", *CPU_FIGURES)
 ANCHOR_STARTUP_S = 240.0  # the anchor's servers on a busy machine, and TF's first steps on a large table
 
 
@@ -102,7 +102,7 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
         rep.row[f"state_{optimizer}:shard"] = shard_state_bytes(shape, optimizer)
         learning_rates[optimizer] = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
         rep.attempt(f"limit_update_{optimizer}", partial(limit.run, shape, cfg, "async", optimizer, learning_rates[optimizer]),
-                    ("bytes_per_step",))
+                    ("bytes_per_step", *CPU_FIGURES))
         rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, learning_rates[optimizer], cfg), ("ps_peak_rss",))
 
     def tfps(optimizer: str) -> tuple[float, partial]:
@@ -119,7 +119,7 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
             if rep.row.get(key):
                 hints[key] = rep.row[key]
 
-    rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",), tfps_runs)
+    rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step", *CPU_FIGURES), tfps_runs)
     if checkpoints:
         examples, run = tfps("adam")
         every = max(10, tfps_side.steps_for("async", shape, examples) // 4)

@@ -142,6 +142,7 @@ class Answerer:
         self.live = 0  # connected workers: a sync step waits for a push from each
         self.pushes: list[np.ndarray] = []  # this sync step's so far
         self.rows: _RowsLayout | None = None
+        self.cpu, self.requests = 0.0, 0  # of connections that ended (`cpu_used`)
         if tables and update != "none":
             if update != "async":
                 raise ValueError("a model with embedding tables takes the async update only")
@@ -158,10 +159,12 @@ class Answerer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         inbox, outbox = bytearray(1 << 20), bytes(1 << 20)
         header = bytearray(_HEADER.size)
+        cpu, requests = time.thread_time(), 0
         with self.cond:
             self.live += 1
         try:
             while _recv_exact(conn, memoryview(header)):
+                requests += 1
                 push, pull = _HEADER.unpack(header)
                 if push > len(inbox):
                     inbox = bytearray(push)
@@ -180,7 +183,16 @@ class Answerer:
         finally:
             with self.cond:
                 self.live -= 1
+                self.cpu += time.thread_time() - cpu
+                self.requests += requests
                 self.cond.notify_all()  # a sync step no longer waits for this worker
+
+    def cpu_used(self, timeout: float = 10.0) -> tuple[float, int]:
+        """The CPU seconds the answering threads used and the requests they answered, once every
+        connection has ended (its worker exited)."""
+        with self.cond:
+            self.cond.wait_for(lambda: self.live == 0, timeout)
+            return self.cpu, self.requests
 
     def _reset(self, size: int) -> None:
         self.params = np.zeros(size, np.float32)
@@ -356,9 +368,9 @@ def child(args: argparse.Namespace) -> None:
         in_flight, step = request([], ahead[1][2]), pipelined_step
 
     moved_before = exchange.moved
-    steps, elapsed = timed_window(step, args.warmup_seconds, args.seconds)
+    steps, elapsed, cpu = timed_window(step, args.warmup_seconds, args.seconds)
     per_step = (exchange.moved - moved_before) / max(1, state["step"])
-    print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed,
+    print(json.dumps({"steps": steps, "seconds": elapsed, "cpu_seconds": cpu, "examples_per_second": steps * args.batch / elapsed,
                       "bytes_per_step": per_step, "threads": threads}), flush=True)
 
 
@@ -377,6 +389,8 @@ def measure(args: argparse.Namespace) -> dict:
             "--seed", str(args.seed), "--port", str(listener.getsockname()[1]), "--processes", str(args.processes),
             "--update", args.update]
     results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
+    answering_cpu, requests = answerer.cpu_used()
+    steps = sum(r["steps"] for r in results)
     return {
         "system": "limit" if args.update == "none" else f"limit_update_{args.optimizer if tables else args.update}",
         "examples_per_second": sum(r["examples_per_second"] for r in results),
@@ -385,6 +399,9 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds": max(r["seconds"] for r in results),
         "workers": args.workers,
         "threads": results[0]["threads"],
+        "worker_cpu_ms_per_step": 1000.0 * sum(r["cpu_seconds"] for r in results) / steps if steps else None,
+        # each worker step is one request
+        "ps_cpu_ms_per_step": 1000.0 * answering_cpu / requests if requests else None,
     }
 
 

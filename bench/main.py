@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from . import embedding, limit, machine, report, tfps_side
 from .mlp import SHAPES, Shape
-from .procs import ANCHOR_CRASH_RETRIES, MeasurementError, Repeat, module_cmd, run_json
+from .procs import ANCHOR_CRASH_RETRIES, CPU_FIGURES, MeasurementError, Repeat, module_cmd, run_json
 
 # tfps's runs in each repeat: (consistency mode, spec.training.wireDtype)
 TFPS_RUNS = (("async", "float32"), ("sync", "float32"), ("async", "bfloat16"))
@@ -99,7 +99,7 @@ def measure_shape_once(
     (Repeat.bracket), in reverse order on odd repeats. Returns examples/s and errors."""
     rep = Repeat(shape.name, progress, report.SYSTEMS)
     for update in ("async", "sync"):
-        rep.attempt(f"limit_update_{update}", lambda update=update: limit.run(shape, cfg, update))
+        rep.attempt(f"limit_update_{update}", lambda update=update: limit.run(shape, cfg, update), CPU_FIGURES)
     rep.attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg, ["--processes", str(shape.workers + shape.ps)]))
     rep.attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
     row = rep.row
@@ -112,7 +112,7 @@ def measure_shape_once(
         rate = hints.get(key) or row.get("limit") or row.get("tf_pss") or row.get("ceiling") or 1000.0
         examples = tfps_side.examples_for(rate, cfg)
         rep.attempt(key, partial(tfps_side.measure, shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype),
-                    ("wire_bytes_per_step",))
+                    ("wire_bytes_per_step", *CPU_FIGURES))
         if row.get(key):
             hints[key] = row[key]
 
@@ -120,7 +120,7 @@ def measure_shape_once(
         for mode, wire_dtype in rep.in_turn(TFPS_RUNS, repeat):
             run_one(mode, wire_dtype)
 
-    rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step",), tfps_runs)
+    rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step", *CPU_FIGURES), tfps_runs)
     return row, rep.errors
 
 

@@ -124,20 +124,21 @@ def kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def timed_window(step: Callable[[], None], warmup_seconds: float, seconds: float) -> tuple[int, float]:
+def timed_window(step: Callable[[], None], warmup_seconds: float, seconds: float) -> tuple[int, float, float]:
     """A measuring child's loop: steps until warm (a few at least: tracing), READY on stdout,
-    then, on GO from stdin, steps for `seconds`. Returns (steps, elapsed seconds)."""
+    then, on GO from stdin, steps for `seconds`. Returns (steps, elapsed seconds, the CPU
+    seconds this process used meanwhile, all its threads)."""
     warm_start, warm = time.perf_counter(), 0
     while warm < 3 or time.perf_counter() - warm_start < warmup_seconds:
         step()
         warm += 1
     print("READY", flush=True)
     sys.stdin.readline()  # GO
-    steps, start = 0, time.perf_counter()
+    steps, start, cpu = 0, time.perf_counter(), time.process_time()
     while time.perf_counter() - start < seconds:
         step()
         steps += 1
-    return steps, time.perf_counter() - start
+    return steps, time.perf_counter() - start, time.process_time() - cpu
 
 
 def run_together(cmds: list[list[str]], timeout: float) -> list[dict]:
@@ -164,6 +165,11 @@ def _until_ready(proc: subprocess.Popen):
         yield line
         if line.strip() == "READY":
             return
+
+
+# CPU per worker step (core-ms) of tfps's runs and of the limits: every worker together, and
+# every PS together (a limit's: its answering process's threads).
+CPU_FIGURES = ("worker_cpu_ms_per_step", "ps_cpu_ms_per_step")
 
 
 class Repeat:

@@ -54,6 +54,12 @@ EMBEDDING_LEGEND = (
     "checkpoints of every shard written during the run."
 )
 
+CPU_LEGEND = (
+    "CPU per worker step, in core-ms, over each run's timed window: tfps's workers together and its PS together "
+    "(tfps local's steady state); a limit's workers, and the threads of its answering process (per request "
+    "answered, one a worker step). Where the processes share the cores, examples/s follows the total."
+)
+
 
 @dataclass(frozen=True)
 class RatioDef:
@@ -241,6 +247,24 @@ def _ratio_row(table, shape: str, entry: dict[str, Any], label: str | None = Non
     table.add_row(shape, label or entry["label"], per, _fmt(entry["median"]), _status_markup(entry))
 
 
+def _dense_table(shapes: dict[str, Any]):
+    from rich.table import Table
+
+    rates = Table(title="dense shapes: examples/s (median of repeats; each repeat measures all of them back to back)")
+    rates.add_column("shape")
+    rates.add_column("params", justify="right")
+    rates.add_column("workers × PS", justify="center")
+    for label in SYSTEMS.values():
+        rates.add_column(label, justify="right")
+    for name, shape in shapes.items():
+        cfg = shape["config"]
+        rates.add_row(
+            name, f"{cfg['params']:,}", f"{cfg['workers']} × {cfg['ps']}",
+            *[_fmt_rate(shape["medians"].get(s)) for s in SYSTEMS],
+        )  # fmt: skip
+    return rates
+
+
 def _embedding_table(embedding: dict[str, Any]):
     from rich.table import Table
 
@@ -258,6 +282,26 @@ def _embedding_table(embedding: dict[str, Any]):
                           _mib(med.get(f"{key}:worker_peak_rss")), _ms(med.get(f"{key}:median_step")),
                           _ms_pair(med.get(f"{key}:p99_step"), med.get(f"{key}:longest_step")))
     return table
+
+
+def _cpu_table(report: dict[str, Any]):
+    """Each run's CPU per worker step (`CPU_LEGEND`); None when no run measured it."""
+    from rich.table import Table
+
+    table = Table(title="CPU per worker step: medians of repeats (core-ms)")
+    for col in ("shape", "system", "workers", "PS", "total"):
+        table.add_column(col, justify="left" if col in ("shape", "system") else "right")
+    groups = [(report.get("shapes", {}), SYSTEMS), ((report.get("embedding") or {}).get("shapes", {}), EMBEDDING_SYSTEMS)]
+    for shapes, systems in groups:
+        for name, shape in shapes.items():
+            med = shape["medians"]
+            for key, label in systems.items():
+                worker, ps = med.get(f"{key}:worker_cpu_ms_per_step"), med.get(f"{key}:ps_cpu_ms_per_step")
+                if worker is None and ps is None:
+                    continue
+                total = worker + ps if worker is not None and ps is not None else None
+                table.add_row(name, label, _fmt(worker), _fmt(ps), _fmt(total))
+    return table if table.row_count else None
 
 
 def _machine_line(machine: dict[str, Any]) -> str:
@@ -290,25 +334,12 @@ def render(report: dict[str, Any], console) -> None:
     from rich.table import Table
 
     _print_machine(report, console)
-    rates = Table(title="dense shapes: examples/s (median of repeats; each repeat measures all of them back to back)")
-    rates.add_column("shape")
-    rates.add_column("params", justify="right")
-    rates.add_column("workers × PS", justify="center")
-    for label in SYSTEMS.values():
-        rates.add_column(label, justify="right")
-    for name, shape in report.get("shapes", {}).items():
-        cfg = shape["config"]
-        rates.add_row(
-            name, f"{cfg['params']:,}", f"{cfg['workers']} × {cfg['ps']}",
-            *[_fmt_rate(shape["medians"].get(s)) for s in SYSTEMS],
-        )  # fmt: skip
-    if report.get("shapes"):
-        console.print(rates)
-        console.print(LEGEND)
     embedding = report.get("embedding")
-    if embedding:
-        console.print(_embedding_table(embedding))
-        console.print(EMBEDDING_LEGEND)
+    for table, legend in ((report.get("shapes") and _dense_table(report["shapes"]), LEGEND),
+                          (embedding and _embedding_table(embedding), EMBEDDING_LEGEND), (_cpu_table(report), CPU_LEGEND)):
+        if table:
+            console.print(table)
+            console.print(legend)
 
     ratios = Table(title="ratios (paired within a repeat; median over repeats)")
     for col in ("shape", "ratio"):

@@ -98,6 +98,7 @@ def _per_step(result: dict, mode: str, shape) -> dict:
         "longest_step": steps.get("max"),  # worker 0's, past its first tenth
         "p99_step": steps.get("p99"),
         "median_step": steps.get("median"),
+        **{f"{kind}_cpu_ms_per_step": (result.get("cpu_ms_per_step") or {}).get(kind) for kind in ("worker", "ps")},
     }
 
 

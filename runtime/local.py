@@ -45,7 +45,7 @@ from tfps.api.tfconfig import tf_config
 
 from . import auth, pki
 from .ports import LOOPBACK, free_port
-from .process import peak_rss_bytes
+from .process import cpu_seconds, peak_rss_bytes
 
 POLL_SECONDS = 0.25
 
@@ -55,6 +55,27 @@ def process_threads(processes: int) -> int:
     """TensorFlow threads (per pool) of each of `processes` sharing this machine: like
     torchrun's OMP_NUM_THREADS, they split its cores."""
     return max(1, (os.cpu_count() or 1) // processes)
+
+@dataclass(frozen=True)
+class CpuSample:
+    examples: int  # trained so far (PS 0's count)
+    steady: bool  # PS 0's examples/s is being measured: its warm-up is over
+    cpu: dict[str, float]  # replica type -> its processes' CPU seconds so far
+
+
+def cpu_per_step(samples: list[CpuSample], batch: int) -> dict[str, float] | None:
+    """Each replica type's CPU per worker step (core-ms, all its replicas together) over the
+    steady state, the window of the job's examples/s: from the first sample past the warm-up
+    to the last one. None without two such samples."""
+    steady = [s for s in samples if s.steady]
+    if len(steady) < 2 or batch <= 0:
+        return None
+    first, last = steady[0], steady[-1]
+    steps = (last.examples - first.examples) / batch
+    if steps <= 0:
+        return None
+    return {kind: 1000.0 * (last.cpu[kind] - first.cpu[kind]) / steps for kind in last.cpu}
+
 
 @dataclass
 class Replica:
@@ -126,6 +147,7 @@ class LocalRun:
         self.events: list[str] = []
         self._clients: dict = {}
         self.wire_bytes: int | None = None
+        self.cpu_samples: list[CpuSample] = []
 
     def _tls_material(self):
         if self.training is None or not self.training.tls:
@@ -239,6 +261,19 @@ class LocalRun:
                 if rss is not None:
                     replica.peak_rss = max(rss, replica.peak_rss or 0)
 
+    def _sample_cpu(self, status: dict) -> None:
+        """Each replica type's CPU seconds so far, with the examples trained, while every replica
+        runs in its first process (a restarted one starts its count again)."""
+        if self.restarts or not status.get("examples"):
+            return
+        cpu: dict[str, float] = {}
+        for replica in self.replicas.values():
+            seconds = cpu_seconds(replica.proc.pid) if replica.proc is not None and replica.proc.poll() is None else None
+            if seconds is None:
+                return
+            cpu[replica.rtype.task_type] = cpu.get(replica.rtype.task_type, 0.0) + seconds
+        self.cpu_samples.append(CpuSample(int(status["examples"]), bool(status.get("examples_per_second")), cpu))
+
     def succeeded(self) -> str | None:
         """Why the job has succeeded (tfps.api.semantics.success), or None while it has not."""
         completed = {(r.rtype, r.index) for r in self.replicas.values() if r.exit_code == 0}
@@ -294,6 +329,7 @@ class LocalRun:
                 time.sleep(POLL_SECONDS)
                 status = self.poll_status()
                 self._sample_memory()
+                self._sample_cpu(status)
                 if progress:
                     progress(status)
                 if self.on_status:
@@ -358,6 +394,7 @@ class LocalRun:
             "wire_bytes": self.wire_bytes,
             "peak_rss_bytes": {r.name: r.peak_rss for r in self.replicas.values()},
             "step_seconds": worker0.get("step_seconds"),
+            "cpu_ms_per_step": cpu_per_step(self.cpu_samples, self.training.batch_size) if self.training else None,
             "restarts": self.restarts,
             "events": self.events,
             "workdir": str(self.workdir),

@@ -90,6 +90,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A live process's CPU time so far, user and system, all its threads; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()  # the name, in parentheses, may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: proc(5)'s fields 14 and 15
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def peak_rss_bytes(pid: int) -> int | None:
     """A live process's peak resident memory (Linux's VmHWM), None when it is gone."""
     try:

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tfps.bench import report
+from tfps.bench.procs import CPU_FIGURES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
 
@@ -43,6 +44,7 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
         assert label in text
     assert "goal ≤ 1.2×" in text and "goal ≤ 1.3×" in text and "goal ≥ 10×" in text
     assert "0 not measured" in text
+    assert "CPU per worker step" in text
     assert f"{os.cpu_count()} CPUs" in text  # the machine the figures came from
 
     # the same report as JSON
@@ -54,6 +56,7 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
         assert len(shape["repeats"]) == 1
         for system in report.SYSTEMS:
             assert _numeric(shape["medians"][system]), (name, system)
+        _assert_cpu_measured(shape["medians"], ("limit", "limit_update_async", "limit_update_sync", "tfps_async", "tfps_sync"))
         for rdef in report.RATIOS:
             entry = shape["ratios"][rdef.key]
             assert _numeric(entry["median"]), (name, rdef.key)
@@ -71,6 +74,7 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     for key in ("tfps_sgd:wire_bytes_per_step", "tfps_adam:ps_peak_rss", "tfps_adam:worker_peak_rss", "limit:bytes_per_step",
                 "tfps_adam_ckpt:longest_step", "tfps_adam_ckpt:p99_step", "state_adam:shard"):
         assert _numeric(emb["medians"][key]), key
+    _assert_cpu_measured(emb["medians"], ("limit", "limit_update_sgd", "limit_update_adam", "tfps_sgd", "tfps_adam"))
     for shape in (*out["shapes"].values(), emb):  # the limit, measured on both sides of tfps's runs
         before, after = shape["medians"]["limit:before"], shape["medians"]["limit:after"]
         assert _numeric(before) and _numeric(after) and shape["medians"]["limit"] == pytest.approx((before + after) / 2)
@@ -79,3 +83,10 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     # 5 for the 670k shape, 8 for the embedding shape, 1 for goodput
     assert out["goals"]["met"] + out["goals"]["missed"] == 14
     assert _numeric(goodput["median_mib_per_second"]["grpc_echo"])
+
+
+def _assert_cpu_measured(medians: dict, systems: tuple[str, ...]) -> None:
+    """Each run's CPU per worker step, its workers' and its PS's (a limit's: its answering process's)."""
+    for system in systems:
+        for figure in CPU_FIGURES:
+            assert _numeric(medians[f"{system}:{figure}"]) and medians[f"{system}:{figure}"] > 0, (system, figure)

@@ -39,6 +39,8 @@ def test_digits_example_reaches_95_percent(undisturbed):
     assert undisturbed["loss"] < 0.5
     steps = undisturbed["step_seconds"]  # worker 0's, past its first tenth
     assert steps["steps"] > 0 and 0 < steps["median"] <= steps["p99"] <= steps["max"]
+    cpu = undisturbed["cpu_ms_per_step"]  # each replica type's, per worker step, past the warm-up
+    assert set(cpu) == {"ps", "worker"} and cpu["ps"] > 0 and cpu["worker"] > 0
 
 
 def _scrape(run, rtype, index) -> str:

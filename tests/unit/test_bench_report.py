@@ -162,3 +162,19 @@ def test_report_with_embedding_shapes_renders_them_and_counts_their_goals():
     # TF's PS peak RSS next to the same shard state as tfps's
     tf_adam = next(line for line in text.splitlines() if "TF strategy, Adam" in line and "2M" in line)
     assert "2,345" in tf_adam and "780" in tf_adam
+
+
+def test_cpu_table_lists_the_runs_that_measured_their_cpu():
+    rows = {"2M": [{**EMBEDDING_2M, "limit:worker_cpu_ms_per_step": 2.45, "limit:ps_cpu_ms_per_step": 0.1,
+                    "tfps_sgd:worker_cpu_ms_per_step": 2.92, "tfps_sgd:ps_cpu_ms_per_step": 0.92}]}
+    buf = io.StringIO()
+    report.render(build_report({"repeats": 1}, {}, None, [], 1.0, rows), Console(file=buf, width=250, color_system=None))
+    text = buf.getvalue()
+    table = text[text.index("CPU per worker step"):text.index(report.CPU_LEGEND[:40])]
+    tfps = next(line for line in table.splitlines() if "tfps async, SGD" in line)
+    assert "2.92" in tfps and "0.92" in tfps and "3.84" in tfps  # workers, PS, total
+    assert any("bytes-inclusive limit" in line and "2.55" in line for line in table.splitlines())
+    assert "tfps async, Adam" not in table  # it did not measure its CPU
+    buf = io.StringIO()
+    report.render(build_report({"repeats": 1}, {}, None, [], 1.0, {"2M": [EMBEDDING_2M]}), Console(file=buf, width=250, color_system=None))
+    assert "CPU per worker step" not in buf.getvalue()

@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -190,3 +191,31 @@ def test_a_process_runs_under_sched_batch_unless_told_not_to(setting, policy):
     out = subprocess.run([sys.executable, "-c", _POLICY], capture_output=True, text=True, check=True, env=env,
                          preexec_fn=other).stdout.split()
     assert out == ["batch" if policy == "batch" else "default", policy, policy]
+
+
+def test_cpu_seconds_of_a_live_process_and_none_when_gone():
+    from tfps.runtime.process import cpu_seconds
+
+    before = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    assert before is not None and cpu_seconds(os.getpid()) >= before + 0.2
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert cpu_seconds(proc.pid) is None
+
+
+def test_cpu_per_step_is_taken_over_the_steady_state_only():
+    from tfps.runtime.local import CpuSample, cpu_per_step
+
+    samples = [
+        CpuSample(512, False, {"ps": 5.0, "worker": 20.0}),  # start-up: not in the window
+        CpuSample(5120, True, {"ps": 6.0, "worker": 24.0}),
+        CpuSample(10240, True, {"ps": 6.5, "worker": 26.5}),
+        CpuSample(15360, True, {"ps": 7.0, "worker": 29.0}),
+    ]
+    # 20 worker steps of 512 between the first steady sample and the last
+    assert cpu_per_step(samples, 512) == pytest.approx({"ps": 50.0, "worker": 250.0})
+    assert cpu_per_step(samples[:2], 512) is None  # one steady sample: no window
+    assert cpu_per_step([samples[1], CpuSample(5120, True, {"ps": 6.1, "worker": 24.1})], 512) is None  # no step in it
