@@ -62,7 +62,7 @@ static int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, c
     if (*f == '<' || *f == '=' || *f == '@') f++;
     int same = strcmp(f, fmt) == 0 || (fmt[0] == 'q' && strcmp(f, "l") == 0 && sizeof(long) == 8);
     if (!same || (ndim >= 0 && b->view.ndim != ndim)) {
-        const char *type = fmt[0] == 'f' ? "float32" : "int64";
+        const char *type = fmt[0] == 'f' ? "float32" : fmt[0] == 'H' ? "uint16" : "int64";
         if (ndim < 0)
             PyErr_Format(PyExc_TypeError, "%s: expected an array of %s, got format '%s'", what, type, f);
         else
@@ -552,6 +552,66 @@ static PyObject *all_finite(PyObject *self, PyObject *obj) {
 }
 
 
+/* ---- bfloat16 on the wire (spec.training.wireDtype) --------------------------------------
+
+   A bfloat16 is a float32's upper 16 bits. to_bfloat16 rounds to nearest, ties to even, as
+   ml_dtypes' astype and TensorFlow's cast do; from_bfloat16 is exact. A NaN becomes the quiet NaN of its sign, as ml_dtypes makes it. Each is one pass that
+   vectorises, where NumPy's astype to and from ml_dtypes' bfloat16
+   converts element by element (670k floats on this machine: 0.9 ms to bfloat16 and 0.4 ms back,
+   0.1 ms each here). The bfloat16 side is given as its bits (uint16): NumPy does not export
+   bfloat16 through the buffer protocol. */
+
+static int pair(PyObject *args, Buf *b, const char *from, const char *to, Py_ssize_t *n) {
+    PyObject *src, *dst;
+    if (!PyArg_ParseTuple(args, "OO", &src, &dst)) return -1;
+    if (get(src, &b[0], from, -1, 0, "source") < 0 || get(dst, &b[1], to, -1, 1, "destination") < 0) return -1;
+    *n = b[0].view.len / b[0].view.itemsize;
+    if (b[1].view.len / b[1].view.itemsize != *n) {
+        PyErr_Format(PyExc_ValueError, "%zd items into room for %zd", *n, b[1].view.len / b[1].view.itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+/* to_bfloat16(float32 array, uint16 array of as many items) */
+static PyObject *to_bfloat16(PyObject *self, PyObject *args) {
+    Buf b[2] = {0};
+    Py_ssize_t n;
+    if (pair(args, b, "f", "H", &n) < 0) {
+        release(b, 2);
+        return NULL;
+    }
+    const uint32_t *restrict s = b[0].view.buf;
+    uint16_t *restrict d = b[1].view.buf;
+    PyThreadState *saved = n >= LARGE ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t u = s[i];
+        uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        d[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) & 0x8000u) | 0x7fc0u : rounded);
+    }
+    if (saved) PyEval_RestoreThread(saved);
+    release(b, 2);
+    Py_RETURN_NONE;
+}
+
+/* from_bfloat16(uint16 array, float32 array of as many items) */
+static PyObject *from_bfloat16(PyObject *self, PyObject *args) {
+    Buf b[2] = {0};
+    Py_ssize_t n;
+    if (pair(args, b, "H", "f", &n) < 0) {
+        release(b, 2);
+        return NULL;
+    }
+    const uint16_t *restrict s = b[0].view.buf;
+    uint32_t *restrict d = b[1].view.buf;
+    PyThreadState *saved = n >= LARGE ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
+    if (saved) PyEval_RestoreThread(saved);
+    release(b, 2);
+    Py_RETURN_NONE;
+}
+
+
 /* ---- a Step request's common shape, decoded and checked in one call ----------------------
 
    parse_request(data, layout, check_dense) decodes a wire message (runtime/wire.py) whose every
@@ -749,6 +809,8 @@ static PyMethodDef methods[] = {
     {"dense_momentum", dense_momentum, METH_VARARGS, "dense_momentum(var, grad, out, accum, accum_out, lr, mu[, plus, scale])"},
     {"dense_adam", dense_adam, METH_VARARGS, "dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps[, plus, scale])"},
     {"dense_adagrad", dense_adagrad, METH_VARARGS, "dense_adagrad(var, grad, out, accum, accum_out, lr, eps[, plus, scale])"},
+    {"to_bfloat16", to_bfloat16, METH_VARARGS, "to_bfloat16(float32 array, uint16 array): its bfloat16 bits, rounded to nearest even"},
+    {"from_bfloat16", from_bfloat16, METH_VARARGS, "from_bfloat16(uint16 array of bfloat16 bits, float32 array)"},
     {"parse_request", parse_request, METH_VARARGS, "parse_request(data, layout, check_dense) -> (meta, dense, sparse, rows), or None"},
     {NULL, NULL, 0, NULL},
 };

@@ -22,6 +22,7 @@ import numpy as np
 from tfps.api.spec import ConsistencyMode
 
 from . import wire
+from .bfloat16 import as_float32
 
 Sparse = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -122,6 +123,7 @@ class Consistency:
         the PS reads again once that request is answered: call this before it is (a push that did
         not close the step)."""
         for name, grad in self._last.items():
+            grad = as_float32(grad)  # bfloat16 off the wire, widened in one pass
             acc = self._acc.get(name)
             if acc is None:
                 acc = self._acc[name] = wire.aligned_array(grad.shape, np.float32)

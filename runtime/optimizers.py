@@ -16,6 +16,7 @@ import numpy as np
 from tfps.api.spec import OptimizerName, OptimizerSpec
 
 from . import _rows
+from .bfloat16 import as_float32
 
 SLOTS = {
     OptimizerName.SGD: (),
@@ -80,7 +81,7 @@ class ShardOptimizer:
         this shard's updates (Adam's bias correction). Returns the new variable and slots, written
         in one pass in C; the given arrays are left as they were. With `check`, a gradient with a
         NaN or an Inf raises NonFiniteGradient (the same pass finds it)."""
-        grad, plus = (a if a is None or a.dtype == np.float32 else a.astype(np.float32) for a in (grad, plus))  # bfloat16 off the wire
+        grad, plus = as_float32(grad), as_float32(plus)  # bfloat16 off the wire
         name, lr, tail = self.name, self._lr, (plus, _F32(scale))
         new = np.empty_like(var)
         fresh = {s: np.empty_like(var) for s in SLOTS[name]}
@@ -107,8 +108,7 @@ class ShardOptimizer:
     def apply_rows(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, grad: np.ndarray, t: int) -> None:
         """`apply_sparse` for rows given once each (`sum_duplicates`' output): one pass over
         them in C (runtime/_rows.c: the same float operations as `apply_dense`, row by row)."""
-        if grad.dtype != np.float32:
-            grad = grad.astype(np.float32)
+        grad = as_float32(grad)
         name, lr = self.name, self._lr
         if name is OptimizerName.SGD:
             _rows.sgd(var, rows, grad, lr)

@@ -35,6 +35,7 @@ from . import _rows, health, wire
 from .checkpoint import RowSnapshot, ShardCheckpoints, load_rows
 from .consistency import Consistency, Push, Update
 from .auth import ServerSecurity
+from .bfloat16 import narrowed
 from .datapath import DataServer, split_host
 from .metrics import WARM_UP_ONE_IN, PSMetrics
 from .models import Param
@@ -389,7 +390,7 @@ class Shard:
         tensors = {}
         for name, var in self.vars.items():
             if req.want_dense and not self.parts[name].sparse:
-                tensors[name] = var if var.dtype == self._wire_dtype else var.astype(self._wire_dtype)
+                tensors[name] = narrowed(var, self._wire_dtype)
         for name, idx in req.rows.items():
             table = self.vars[name]
             tensors[f"{name}:rows"] = out = np.empty((len(idx), *table.shape[1:]), table.dtype)
