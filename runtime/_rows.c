@@ -555,11 +555,12 @@ static PyObject *all_finite(PyObject *self, PyObject *obj) {
 /* ---- bfloat16 on the wire (spec.training.wireDtype) --------------------------------------
 
    A bfloat16 is a float32's upper 16 bits. to_bfloat16 rounds to nearest, ties to even, as
-   ml_dtypes' astype and TensorFlow's cast do; from_bfloat16 is exact. A NaN becomes the quiet NaN of its sign, as ml_dtypes makes it. Each is one pass that
-   vectorises, where NumPy's astype to and from ml_dtypes' bfloat16
-   converts element by element (670k floats on this machine: 0.9 ms to bfloat16 and 0.4 ms back,
-   0.1 ms each here). The bfloat16 side is given as its bits (uint16): NumPy does not export
-   bfloat16 through the buffer protocol. */
+   ml_dtypes' astype and TensorFlow's cast do (a NaN becomes the quiet NaN of its sign, as there);
+   from_bfloat16 is exact. Each is one pass that vectorises, where NumPy's astype to and from
+   ml_dtypes' bfloat16 goes element by element: 670k floats on this machine 0.55 ms to bfloat16
+   and 0.20 ms back that way, 0.29 and 0.16 ms here, and in the 670k job with the bfloat16 wire
+   the PS's CPU a worker step fell from 2.0 to 1.6 ms. The bfloat16 side is given as its bits
+   (uint16): NumPy does not export bfloat16 through the buffer protocol. */
 
 static int pair(PyObject *args, Buf *b, const char *from, const char *to, Py_ssize_t *n) {
     PyObject *src, *dst;
