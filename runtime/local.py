@@ -262,9 +262,10 @@ class LocalRun:
                     replica.peak_rss = max(rss, replica.peak_rss or 0)
 
     def _sample_cpu(self, status: dict) -> None:
-        """Each replica type's CPU seconds so far, with the examples trained, while every replica
-        runs in its first process (a restarted one starts its count again)."""
-        if self.restarts or not status.get("examples"):
+        """Each replica type's CPU seconds so far, with the examples trained, past the warm-up and
+        while every replica runs in its first process (a restarted one starts its count again).
+        Only the window's first sample and the latest are kept: `cpu_per_step` reads no other."""
+        if self.restarts or not status.get("examples") or not status.get("examples_per_second"):
             return
         cpu: dict[str, float] = {}
         for replica in self.replicas.values():
@@ -272,7 +273,7 @@ class LocalRun:
             if seconds is None:
                 return
             cpu[replica.rtype.task_type] = cpu.get(replica.rtype.task_type, 0.0) + seconds
-        self.cpu_samples.append(CpuSample(int(status["examples"]), bool(status.get("examples_per_second")), cpu))
+        self.cpu_samples[1:] = [CpuSample(int(status["examples"]), True, cpu)]
 
     def succeeded(self) -> str | None:
         """Why the job has succeeded (tfps.api.semantics.success), or None while it has not."""
