@@ -1,9 +1,11 @@
 """The worker's gradient function (runtime/worker.py `make_grad_fn`): one trace per input
-dtypes, called with its inputs flattened, gives the gradients a plain GradientTape does."""
+dtypes, called with its inputs flattened, gives the gradients a plain GradientTape does, a
+table's rows summed (runtime/_rows.c `segment_sum`) bit for bit as TensorFlow sums them."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfps.runtime import _rows
 from tfps.runtime.models import BatchSource, load_model
 from tfps.runtime.worker import loss_fn, make_grad_fn
 
@@ -51,4 +53,24 @@ def test_flattened_calls_give_the_tapes_gradients_for_batches_of_any_row_count()
         assert set(grads) == set(params)
         for name, grad in grads.items():
             np.testing.assert_allclose(np.asarray(grad), np.asarray(tf.convert_to_tensor(want[name])), rtol=1e-5, atol=1e-7)
+        for table in model.sparse_params:  # one row per id looked up, repeats too: summed as TensorFlow sums them
+            slices = want[table.name]
+            assert isinstance(slices, tf.IndexedSlices)
+            summed = np.empty(grads[table.name].shape, np.float32)
+            _rows.segment_sum(slices.values.numpy().reshape(len(slices.values), -1), slices.indices.numpy().astype(np.int64),
+                              summed.reshape(len(summed), -1))
+            np.testing.assert_array_equal(summed, tf.convert_to_tensor(slices).numpy())
     assert len(rows_seen) > 1  # the same trace served batches of different row counts
+
+
+def test_segment_sum_adds_each_ids_row_into_its_table_row_and_refuses_a_row_outside():
+    values = np.arange(12, dtype=np.float32).reshape(4, 3)
+    out = np.full((3, 3), 7.0, np.float32)  # overwritten, not added to
+    _rows.segment_sum(values, np.array([2, 0, 2, 2], np.int64), out)
+    np.testing.assert_array_equal(out, [[3, 4, 5], [0, 0, 0], [0 + 6 + 9, 1 + 7 + 10, 2 + 8 + 11]])
+    with pytest.raises(ValueError, match="row 3 is outside the table's 3 rows"):
+        _rows.segment_sum(values, np.array([0, 1, 3, 0], np.int64), out)
+    with pytest.raises(ValueError, match="indices"):
+        _rows.segment_sum(values, np.array([0, 1], np.int64), out)
+    with pytest.raises(TypeError, match="int64"):
+        _rows.segment_sum(values, np.array([0, 1, 2, 0], np.int32), out)
