@@ -74,3 +74,12 @@ def test_segment_sum_adds_each_ids_row_into_its_table_row_and_refuses_a_row_outs
         _rows.segment_sum(values, np.array([0, 1], np.int64), out)
     with pytest.raises(TypeError, match="int64"):
         _rows.segment_sum(values, np.array([0, 1, 2, 0], np.int32), out)
+
+
+def test_segment_sum_takes_subnormal_floats_as_zero_as_tensorflows_sum_does():
+    values = np.full((4, 3), 1e-39, np.float32)
+    indices = np.array([0, 0, 1, 2], np.int64)
+    out = np.empty((3, 3), np.float32)
+    _rows.segment_sum(values, indices, out)
+    np.testing.assert_array_equal(out, tf.math.unsorted_segment_sum(values, indices, 3).numpy())
+    np.testing.assert_array_equal(out, 0)

@@ -259,3 +259,28 @@ def test_a_dense_update_finds_a_nan_or_an_inf_in_its_own_pass(name):
         opt.apply_dense(var, slots, huge, 1, plus=huge, scale=0.5)
     np.testing.assert_array_equal(var, before)
     opt.apply_dense(var, slots, huge, 1)  # the largest finite floats are finite
+
+
+SUBNORMAL = np.float32(1e-39)  # below float32's smallest normal, 1.18e-38
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adagrad"])
+def test_subnormal_floats_are_taken_as_zero_as_tensorflow_takes_them_and_the_callers_are_not(name):
+    """A slot decaying towards zero (Adam's first moment where a unit's gradient is zero) would
+    otherwise sit in the subnormal range, where every float operation is many times slower: the
+    kernels run with subnormals flushed to zero, as TensorFlow's CPU kernels do, by rows and dense alike."""
+    _, opt, var, slots = _setup(name)
+    tiny = np.full_like(W0, SUBNORMAL)
+    slots = {s: tiny.copy() for s in slots}
+    decaying = {"momentum": "momentum", "adam": "m"}.get(name)  # decayed, it becomes zero, not a smaller subnormal
+    new_var, new_slots = opt.apply_dense(W0, slots, tiny, 1)
+    np.testing.assert_array_equal(new_var, W0)  # a subnormal gradient moves nothing
+    if decaying:
+        np.testing.assert_array_equal(new_slots[decaying], 0)
+    table, rows, row_slots = W0.copy(), np.array([1, 4], np.int64), {s: a.copy() for s, a in slots.items()}
+    opt.apply_rows(table, row_slots, rows, tiny[:2], 1)
+    np.testing.assert_array_equal(table, W0)
+    if decaying:
+        np.testing.assert_array_equal(row_slots[decaying][rows], 0)
+        np.testing.assert_array_equal(np.delete(row_slots[decaying], rows, axis=0), SUBNORMAL)  # untouched rows untouched
+    assert SUBNORMAL * np.float32(1) == SUBNORMAL  # the calling thread's own floats keep their subnormals
