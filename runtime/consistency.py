@@ -66,7 +66,9 @@ class Consistency:
         """Empty the sync step's accumulators."""
         self.pushed: set[int] = set()
         self._acc: dict[str, np.ndarray] = {}
-        self._last: dict[str, np.ndarray] = {}  # the latest push's dense gradients, not in _acc yet
+        # Per worker, in push order, the dense gradients of a push whose request is still being
+        # answered: views of that request, not copied (`keep`).
+        self._held: dict[int, dict[str, np.ndarray]] = {}
         self._sparse_acc: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._acc_loss: list[float] = []
         self._acc_examples = 0
@@ -108,8 +110,7 @@ class Consistency:
             return False
         if push.worker in self.pushed:
             return True  # a retried push of this step; counted once
-        self.keep_last()
-        self._last = dict(push.dense)
+        self._held[push.worker] = dict(push.dense)
         for name, (idx, values) in push.sparse.items():
             self._sparse_acc.setdefault(name, []).append((idx.copy(), values.copy()))
         self.pushed.add(push.worker)
@@ -118,32 +119,48 @@ class Consistency:
             self._acc_loss.append(push.loss)
         return True
 
-    def keep_last(self) -> None:
-        """Add the latest push's dense gradients to the sum. They are views of its request, which
-        the PS reads again once that request is answered: call this before it is (a push that did
-        not close the step)."""
-        for name, grad in self._last.items():
-            grad = as_float32(grad)  # bfloat16 off the wire, widened in one pass
-            acc = self._acc.get(name)
-            if acc is None:
-                acc = self._acc[name] = wire.aligned_array(grad.shape, np.float32)
-                acc[...] = grad
-            else:
-                np.add(acc, grad, out=acc)
-        self._last = {}
+    def keep(self, worker: int) -> None:
+        """Add `worker`'s push to the step's sum if the step has not taken it yet. Its gradients
+        are views of its request, whose buffer the PS reads the next request into once this one
+        is answered: call this before it is. A step that closes while every pusher still waits
+        (the usual sync step) copies none of them."""
+        grads = self._held.pop(worker, None)
+        for name, grad in (grads or {}).items():
+            self._add(name, grad)
+
+    def _add(self, name: str, grad: np.ndarray) -> None:
+        grad = as_float32(grad)  # bfloat16 off the wire, widened in one pass
+        acc = self._acc.get(name)
+        if acc is None:
+            acc = self._acc[name] = wire.aligned_array(grad.shape, np.float32)
+            acc[...] = grad
+        else:
+            np.add(acc, grad, out=acc)
+
+    def _sum(self, name: str, terms: list[np.ndarray]) -> np.ndarray:
+        """`terms` added in order into the step's sum (which is `terms[0]` when there is one)."""
+        start = 1 if terms[0] is self._acc.get(name) else 0
+        for term in terms[start:]:
+            self._add(name, term)
+        return self._acc[name]
 
     def close_sync(self) -> Update | None:
         """The sync step's mean, once every live worker has pushed; None before. Its dense part
-        is the sum of the earlier pushes plus the latest one's gradients, to be scaled by 1/n."""
+        is each gradient's sum as (grad + plus), to be scaled by 1/n in the update's own pass: the
+        sum kept so far and the held pushes, the last held one as `plus` (with two workers whose
+        requests both wait: the first push and the second, neither copied)."""
         if not self.pushed or not set(self.live_workers()) <= self.pushed:
             return None
         scale = np.float32(1.0 / len(self.pushed))
-        dense, plus = dict(self._acc), {}
-        for name, grad in self._last.items():
-            if name in dense:
-                plus[name] = grad
-            else:
-                dense[name] = grad
+        held = list(self._held.values())
+        dense, plus = {}, {}
+        for name in dict.fromkeys(n for grads in (self._acc, *held) for n in grads):
+            terms = [grads[name] for grads in (self._acc, *held) if name in grads]
+            if len(terms) > 2:  # more than two pushes' worth: all but the last summed here
+                terms = [self._sum(name, terms[:-1]), terms[-1]]
+            dense[name] = terms[0]
+            if len(terms) == 2:
+                plus[name] = terms[1]
         sparse = {name: (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]) * scale)
                   for name, pieces in self._sparse_acc.items()}
         update = Update(dense, sparse, self._acc_examples, float(np.mean(self._acc_loss)) if self._acc_loss else None,

@@ -322,7 +322,6 @@ class Shard:
             if not self.consistency.push_sync(req.push, self.version):
                 return target, True
             self._close_sync_step()
-            self.consistency.keep_last()  # when this push did not close the step
             return max(target, req.push.tag + 1), False
         # A sync worker waiting for a step its push never reached, or that this PS lost by
         # restarting (accumulated pushes are not checkpointed): stale, so it recomputes.
@@ -354,8 +353,11 @@ class Shard:
         self._count(self.metrics.bytes_in, len(data))
         with self.cond:
             self.consistency.seen(req.worker)
-            target, stale = self._accept(req)
-            pending = req.pull and not stale and self._wait(req, target)
+            try:
+                target, stale = self._accept(req)
+                pending = req.pull and not stale and self._wait(req, target)
+            finally:
+                self.consistency.keep(req.worker)  # a sync push the step has not taken outlives its request's buffer
             # In sync mode every worker gets the same reply for a version: encode it once.
             shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
             if shared and self._shared_reply[:2] == (self.version, encoding):
