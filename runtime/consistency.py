@@ -137,13 +137,6 @@ class Consistency:
         else:
             np.add(acc, grad, out=acc)
 
-    def _sum(self, name: str, terms: list[np.ndarray]) -> np.ndarray:
-        """`terms` added in order into the step's sum (which is `terms[0]` when there is one)."""
-        start = 1 if terms[0] is self._acc.get(name) else 0
-        for term in terms[start:]:
-            self._add(name, term)
-        return self._acc[name]
-
     def close_sync(self) -> Update | None:
         """The sync step's mean, once every live worker has pushed; None before. Its dense part
         is each gradient's sum as (grad + plus), to be scaled by 1/n in the update's own pass: the
@@ -155,9 +148,12 @@ class Consistency:
         held = list(self._held.values())
         dense, plus = {}, {}
         for name in dict.fromkeys(n for grads in (self._acc, *held) for n in grads):
-            terms = [grads[name] for grads in (self._acc, *held) if name in grads]
-            if len(terms) > 2:  # more than two pushes' worth: all but the last summed here
-                terms = [self._sum(name, terms[:-1]), terms[-1]]
+            pushes = [grads[name] for grads in held if name in grads]
+            if len(pushes) + (name in self._acc) > 2:  # more than two terms: all but the last push summed here
+                for grad in pushes[:-1]:
+                    self._add(name, grad)
+                pushes = pushes[-1:]
+            terms = [*([self._acc[name]] if name in self._acc else []), *pushes]
             dense[name] = terms[0]
             if len(terms) == 2:
                 plus[name] = terms[1]
