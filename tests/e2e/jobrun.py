@@ -55,7 +55,11 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env: dict | None = None) -> dict:
     """digits-mlp, 2 PS + 2 workers, sync; the PS pods keep their checkpoints on a hostPath
-    volume, so a recreated PS pod finds them (as it would on a persistent volume)."""
+    volume, so a recreated PS pod finds them (as it would on a persistent volume). cleanPodPolicy
+    None: the PS pods (still running when the job succeeds) outlive the job until it is deleted,
+    so the test reads each PS's whole log, written to the end (under the default policy they go,
+    their logs with them, as the job succeeds: a restore logged by a PS pod that lived a few
+    seconds could be missed by the watcher's log reads)."""
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     checkpoint_dir.chmod(0o1777)  # the containers run as uid 10001; a hostPath keeps the host's modes
     ps_container = {"name": "tensorflow", "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}]}
@@ -73,7 +77,7 @@ def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env:
                          "optimizer": {"name": "adam", "learningRate": 0.003}, "batchSize": 32, "steps": steps,
                          "consistency": {"mode": "sync"},
                          "checkpoint": {"path": CHECKPOINT_MOUNT, "everySteps": every}},
-            "runPolicy": {"backoffLimit": 4, "activeDeadlineSeconds": 900},
+            "runPolicy": {"backoffLimit": 4, "activeDeadlineSeconds": 900, "cleanPodPolicy": "None"},
         },
     }
 

@@ -67,6 +67,7 @@ def baseline(cluster, stack, tmp_path_factory) -> dict:
         run.stop_watching()
     assert status["phase"] == "Succeeded", status
     result = run.result()
+    run.delete()
     assert result["steps"] == STEPS and result["accuracy"] >= 0.9, result
     return result
 
@@ -142,6 +143,7 @@ def _check_run(run: JobRun, baseline: dict, fault: str, before: dict, record_pro
         figures["accuracy"] = result["accuracy"]
         figures["steps"] = result["steps"]
     record_property("reliability", figures)
+    run.delete()  # its PS pods (cleanPodPolicy None), now that their logs are read
 
     assert status.get("phase") == "Succeeded", status
     assert result["steps"] == STEPS, result
@@ -244,5 +246,6 @@ def test_workers_scaled_up_live_mid_run(cluster, stack, tmp_path, record_propert
     assert any(e["workers"] == 3 for e in run.events("worker", 0, "resplit")), "worker 0 kept cutting batches in 2"
     for name, uid in uids.items():  # nothing was restarted or recreated by the scale
         pods = core.list_namespaced_pod(stack, field_selector=f"metadata.name={name}").items
-        for pod in pods:  # (cleanPodPolicy Running may have taken the PS pods by now)
+        for pod in pods:
             assert pod.metadata.uid == uid and pod.status.container_statuses[0].restart_count == 0, name
+    run.delete()
