@@ -22,6 +22,23 @@
 #include <string.h>
 
 #define AHEAD 8 /* rows prefetched ahead of the one being updated */
+
+/* The float loops are built twice on x86-64, for AVX2 and for the baseline (SSE2), and the loader
+   picks the one the CPU runs (GCC's function multiversioning). The package is built once for
+   every machine it goes to, so it cannot be built for the CPU it runs on. Square roots and
+   divisions are correctly rounded at any vector width and no multiply-add is fused (built with
+   -ffp-contract=off): both give the same bits. Measured on an AMD EPYC (Zen 4), baseline -> AVX2:
+   Adam's update of 760 rows at random in a 1M x 64 table 73 -> 62 us, a dense Adam update of 335k
+   floats 222 -> 122 us, the finiteness check of 335k floats 28 -> 17 us, 670k floats to bfloat16
+   230 -> 100 us, a worker's sum of 4,096 rows of 64 into 1,366 37 -> 34 us. */
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define SIMD __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef SIMD
+#define SIMD
+#endif
 #define EXPONENT 0x7f800000u /* a float32's exponent bits */
 #define LARGE (1 << 16) /* floats: a pass over more lets other threads run meanwhile */
 
@@ -69,7 +86,7 @@ static inline uint32_t nonfinite(float x) {
 }
 
 /* 1 when none of the n floats is a NaN or an Inf. Not inlined: a loop of its own vectorises. */
-__attribute__((noinline)) static int finite_floats(const float *restrict x, Py_ssize_t n) {
+__attribute__((noinline)) static SIMD int finite_floats(const float *restrict x, Py_ssize_t n) {
     uint32_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
     return !bad;
@@ -257,6 +274,12 @@ static inline void adagrad_row(Out w, Out a, In g, Py_ssize_t d, float lr, float
     }
 }
 
+/* Each update over a request's rows (FOR_EACH_ROW), built for each instruction set (SIMD). */
+static SIMD void sgd_rows(Rows r, float lr) { FOR_EACH_ROW(sgd_row(w, g, r.d, lr)); }
+static SIMD void momentum_rows(Rows r, float lr, float mu) { FOR_EACH_ROW(momentum_row(w, a, g, r.d, lr, mu)); }
+static SIMD void adam_rows(Rows r, float b1, float b2, float rate, float eps) { FOR_EACH_ROW(adam_row(w, a, b, g, r.d, b1, b2, rate, eps)); }
+static SIMD void adagrad_rows(Rows r, float lr, float eps) { FOR_EACH_ROW(adagrad_row(w, a, g, r.d, lr, eps)); }
+
 /* sgd(table, rows, grad, lr): w -= g*lr */
 static PyObject *sgd(PyObject *self, PyObject *args) {
     PyObject *var, *rows, *grad;
@@ -265,7 +288,7 @@ static PyObject *sgd(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOf", &var, &rows, &grad, &lr)) return NULL;
     if (unpack(var, NULL, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    FOR_EACH_ROW(sgd_row(w, g, r.d, lr));
+    sgd_rows(r, lr);
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:
@@ -281,7 +304,7 @@ static PyObject *momentum(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOOff", &var, &acc, &rows, &grad, &lr, &mu)) return NULL;
     if (unpack(var, acc, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    FOR_EACH_ROW(momentum_row(w, a, g, r.d, lr, mu));
+    momentum_rows(r, lr, mu);
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:
@@ -298,7 +321,7 @@ static PyObject *adam(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOOOffff", &var, &m, &v, &rows, &grad, &b1, &b2, &rate, &eps)) return NULL;
     if (unpack(var, m, v, rows, grad, bufs, &r) < 0) goto fail;
-    FOR_EACH_ROW(adam_row(w, a, b, g, r.d, b1, b2, rate, eps));
+    adam_rows(r, b1, b2, rate, eps);
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:
@@ -314,7 +337,7 @@ static PyObject *adagrad(PyObject *self, PyObject *args) {
     Rows r;
     if (!PyArg_ParseTuple(args, "OOOOff", &var, &acc, &rows, &grad, &lr, &eps)) return NULL;
     if (unpack(var, acc, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    FOR_EACH_ROW(adagrad_row(w, a, g, r.d, lr, eps));
+    adagrad_rows(r, lr, eps);
     release(bufs, NBUFS);
     Py_RETURN_NONE;
 fail:
@@ -384,7 +407,7 @@ static int unpack_dense(PyObject **objs, int nobjs, Buf *bufs, Dense *d) {
 /* Each dense loop ORs `nonfinite` over the gradient it applies, so that the check costs no pass
    of its own (the caller drops the new arrays of a non-finite one). */
 
-static uint32_t sgd_loop(const Dense *d, const float *h) {
+static SIMD uint32_t sgd_loop(const Dense *d, const float *h) {
     const float lr = h[0];
     uint32_t bad = 0;
     DENSE_POINTERS;
@@ -396,7 +419,7 @@ static uint32_t sgd_loop(const Dense *d, const float *h) {
     return bad;
 }
 
-static uint32_t momentum_loop(const Dense *d, const float *h) {
+static SIMD uint32_t momentum_loop(const Dense *d, const float *h) {
     const float lr = h[0], mu = h[1];
     uint32_t bad = 0;
     DENSE_POINTERS;
@@ -409,7 +432,7 @@ static uint32_t momentum_loop(const Dense *d, const float *h) {
     return bad;
 }
 
-static uint32_t adam_loop(const Dense *d, const float *h) {
+static SIMD uint32_t adam_loop(const Dense *d, const float *h) {
     const float b1 = h[0], b2 = h[1], rate = h[2], eps = h[3], c1 = 1 - b1, c2 = 1 - b2;
     uint32_t bad = 0;
     DENSE_POINTERS;
@@ -423,7 +446,7 @@ static uint32_t adam_loop(const Dense *d, const float *h) {
     return bad;
 }
 
-static uint32_t adagrad_loop(const Dense *d, const float *h) {
+static SIMD uint32_t adagrad_loop(const Dense *d, const float *h) {
     const float lr = h[0], eps = h[1];
     uint32_t bad = 0;
     DENSE_POINTERS;
@@ -534,6 +557,15 @@ fail:
    per id looked up), each row summed in the order TensorFlow's UnsortedSegmentSum adds them, so
    bit for bit its result. Its CPU kernel goes a row at a time through Eigen: summed here
    instead, a worker of the 2M-row click model (4,096 ids a batch) spends 0.22 ms less a step. */
+static SIMD void sum_rows(const float *v, const int64_t *r, Py_ssize_t k, Py_ssize_t d, float *o, Py_ssize_t n) {
+    memset(o, 0, (size_t)(n * d) * sizeof(float));
+    for (Py_ssize_t i = 0; i < k; i++) {
+        float *restrict row = o + r[i] * d;
+        const float *restrict add = v + i * d;
+        for (Py_ssize_t j = 0; j < d; j++) row[j] += add[j];
+    }
+}
+
 static PyObject *segment_sum(PyObject *self, PyObject *args) {
     Buf bufs[3] = {0};
     if (rows_and_out(args, bufs, "values", "indices") < 0) goto fail;
@@ -552,12 +584,7 @@ static PyObject *segment_sum(PyObject *self, PyObject *args) {
     }
     if (rows_inside(r, k, n) < 0) goto fail;
     Py_BEGIN_ALLOW_THREADS FpMode fp = flush_subnormals();
-    memset(o, 0, (size_t)(n * d) * sizeof(float));
-    for (Py_ssize_t i = 0; i < k; i++) {
-        float *restrict row = o + r[i] * d;
-        const float *restrict add = v + i * d;
-        for (Py_ssize_t j = 0; j < d; j++) row[j] += add[j];
-    }
+    sum_rows(v, r, k, d, o, n);
     restore_fp(fp);
     Py_END_ALLOW_THREADS
     release(bufs, 3);
@@ -643,7 +670,7 @@ static PyObject *all_finite(PyObject *self, PyObject *obj) {
    the PS's CPU a worker step fell from 2.0 to 1.6 ms. The bfloat16 side is given as its bits
    (uint16): NumPy does not export bfloat16 through the buffer protocol. */
 
-static void narrow_loop(const void *from, void *to, Py_ssize_t n) {
+static SIMD void narrow_loop(const void *from, void *to, Py_ssize_t n) {
     const uint32_t *restrict s = from;
     uint16_t *restrict d = to;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -653,7 +680,7 @@ static void narrow_loop(const void *from, void *to, Py_ssize_t n) {
     }
 }
 
-static void widen_loop(const void *from, void *to, Py_ssize_t n) {
+static SIMD void widen_loop(const void *from, void *to, Py_ssize_t n) {
     const uint16_t *restrict s = from;
     uint32_t *restrict d = to;
     for (Py_ssize_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;

@@ -6,6 +6,7 @@ overlap at run time) and ran 3.3x slower. This asks GCC itself, with the flags o
 ext-module, which loops it vectorised."""
 from __future__ import annotations
 
+import platform
 import re
 import shutil
 import subprocess
@@ -54,9 +55,15 @@ def vectorised_lines(source: Path, out: Path, *link: str) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def vectorised(tmp_path_factory) -> set[int]:
+def built(tmp_path_factory) -> tuple[set[int], Path]:
+    """The lines GCC vectorised, and the module it built."""
     out = tmp_path_factory.mktemp("kernels") / "_rows.so"
-    return vectorised_lines(SOURCE, out, "-fPIC", "-shared", f"-I{sysconfig.get_paths()['include']}")
+    return vectorised_lines(SOURCE, out, "-fPIC", "-shared", f"-I{sysconfig.get_paths()['include']}"), out
+
+
+@pytest.fixture(scope="module")
+def vectorised(built) -> set[int]:
+    return built[0]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -74,3 +81,18 @@ def test_the_check_can_fail(tmp_path):
     src.write_text("void scan(float *x, long n) {\n    for (long j = 1; j < n; j++) x[j] += x[j - 1] * 0.5f;\n}\n"
                    "void scale(float *restrict x, long n) {\n    for (long j = 0; j < n; j++) x[j] *= 0.5f;\n}\n")
     assert vectorised_lines(src, tmp_path / "loops.o", "-c") == {5}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX2 builds are x86-64's")
+def test_the_float_loops_have_an_avx2_build(built):
+    """Each update (rows and dense), the checks, the bfloat16 casts and the worker's row sum are
+    built for AVX2 beside the baseline, the loader picking one per CPU: a build that lost the
+    attribute (a compiler without target_clones) would still be right, and twice as slow."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm (binutils)")
+    symbols = subprocess.run([nm, str(built[1])], capture_output=True, text=True, check=True).stdout
+    functions = [f"{name}_{kind}" for name in OPTIMIZERS for kind in ("rows", "loop")]
+    functions += ["finite_floats", "narrow_loop", "widen_loop", "sum_rows"]
+    missing = [f for f in functions if not re.search(rf"\b{f}\.avx2\b", symbols) or not re.search(rf"\b{f}\.default\b", symbols)]
+    assert not missing, f"built without their AVX2 and baseline versions: {missing}"
