@@ -3,7 +3,7 @@
 `python -m tfps.bench.limit --model mlp --model-args '{"hidden": [512, 512]}' --batch 128`
 starts the same number of worker processes as the PS runs, each computing gradients the
 way a tfps worker does (tfps's grad_fn on the same `ModelDef`, batches and parameters as
-tensors), and moving each step's bytes over a plain TCP socket to a process that only
+tensors, a batch's table ids numbered by its distinct ids with tfps's `batch_ids`), and moving each step's bytes over a plain TCP socket to a process that only
 answers: the push (every dense gradient, and the touched rows' gradients of each embedding
 table) out, the pull (every dense parameter, and the rows the next batch touches) back.
 No optimizer, no framing beyond a length; each tensor starts on wire.ALIGN (`aligned_offsets`),
@@ -294,6 +294,7 @@ def child(args: argparse.Namespace) -> None:
     import numpy as np
 
     from tfps.runtime.models import BatchSource, load_model
+    from tfps.runtime.sharding import batch_ids
     from tfps.runtime.worker import make_grad_fn
     from tfps.runtime.zerocopy import as_tensor
 
@@ -313,8 +314,7 @@ def child(args: argparse.Namespace) -> None:
         out = dict(x)
         uniq = {}
         for feature in {t.feature for t in tables}:
-            uniq[feature], inverse = np.unique(x[feature].reshape(-1), return_inverse=True)
-            out[feature] = inverse.reshape(x[feature].shape).astype(np.int64)
+            uniq[feature], out[feature] = batch_ids(x[feature])  # as a tfps worker
         return out, y, uniq
 
     def request(push: list, uniq: dict, pushed: dict | None = None):

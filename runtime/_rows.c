@@ -594,6 +594,117 @@ fail:
     return NULL;
 }
 
+/* unique(ids, uniq, inverse) -> k: the k distinct values of ids in increasing order in uniq[:k],
+   and inverse[i] = where ids[i] is among them; NumPy's unique(ids, return_inverse=True), for a
+   worker's batch of table ids. NumPy sorts all the ids (an argsort of 4,096 ids: 0.12 ms a step
+   on the 2M-row click model); here they go through a hash table, and only the distinct ones
+   (about a third of them there) are sorted, by radix on the bytes in which they differ. */
+#define EMPTY_SLOT (-1)
+/* key[:k] sorted increasing, idx[:k] moved alike; key2 and idx2: room for as many. */
+static void radix_sort(uint64_t *key, int32_t *idx, uint64_t *key2, int32_t *idx2, Py_ssize_t k) {
+    uint64_t *const key0 = key;
+    int32_t *const idx0 = idx;
+    uint64_t all_or = 0, all_and = ~(uint64_t)0;
+    for (Py_ssize_t i = 0; i < k; i++) all_or |= key[i], all_and &= key[i];
+    size_t count[256];
+    for (int shift = 0; shift < 64; shift += 8) {
+        if ((((all_or ^ all_and) >> shift) & 0xff) == 0) continue; /* every key has this byte alike */
+        memset(count, 0, sizeof count);
+        for (Py_ssize_t i = 0; i < k; i++) count[(key[i] >> shift) & 0xff]++;
+        size_t at = 0;
+        for (int b = 0; b < 256; b++) {
+            size_t c = count[b];
+            count[b] = at;
+            at += c;
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            size_t to = count[(key[i] >> shift) & 0xff]++;
+            key2[to] = key[i], idx2[to] = idx[i];
+        }
+        uint64_t *tk = key;
+        key = key2, key2 = tk;
+        int32_t *ti = idx;
+        idx = idx2, idx2 = ti;
+    }
+    if (key != key0) { /* an odd number of passes: the result is in the other pair */
+        memcpy(key0, key, (size_t)k * sizeof *key);
+        memcpy(idx0, idx, (size_t)k * sizeof *idx);
+    }
+}
+
+static PyObject *unique(PyObject *self, PyObject *args) {
+    PyObject *ids, *uniq, *inverse;
+    Buf bufs[3] = {0};
+    int64_t *slot_key = NULL;
+    int32_t *slot_at = NULL, *first = NULL, *order = NULL, *order2 = NULL, *rank = NULL;
+    uint64_t *key = NULL, *key2 = NULL;
+    if (!PyArg_ParseTuple(args, "OOO", &ids, &uniq, &inverse)) return NULL;
+    if (get(ids, &bufs[0], "q", 1, 0, "ids") < 0 || get(uniq, &bufs[1], "q", 1, 1, "uniq") < 0 ||
+        get(inverse, &bufs[2], "q", -1, 1, "inverse") < 0)
+        goto fail;
+    Py_ssize_t n = bufs[0].view.shape[0];
+    if (bufs[1].view.shape[0] < n || bufs[2].view.len != n * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_ValueError, "uniq of %zd and inverse of %zd items for %zd ids", bufs[1].view.shape[0],
+                     bufs[2].view.len / (Py_ssize_t)sizeof(int64_t), n);
+        goto fail;
+    }
+    if (n > INT32_MAX / 2) {
+        PyErr_SetString(PyExc_ValueError, "too many ids");
+        goto fail;
+    }
+    if (overlap(&bufs[0], &bufs[1]) || overlap(&bufs[0], &bufs[2]) || overlap(&bufs[1], &bufs[2])) {
+        PyErr_SetString(PyExc_ValueError, "ids, uniq and inverse must not share memory");
+        goto fail;
+    }
+    size_t slots = 16;
+    while (slots < 2 * (size_t)n) slots <<= 1;
+    slot_key = PyMem_Malloc(slots * sizeof *slot_key);
+    slot_at = PyMem_Malloc(slots * sizeof *slot_at);
+    first = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *first);
+    order = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *order);
+    order2 = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *order2);
+    rank = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *rank);
+    key = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *key);
+    key2 = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *key2);
+    if (!slot_key || !slot_at || !first || !order || !order2 || !rank || !key || !key2) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    const int64_t *in = bufs[0].view.buf;
+    int64_t *out = bufs[1].view.buf, *inv = bufs[2].view.buf;
+    Py_ssize_t k = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t s = 0; s < slots; s++) slot_at[s] = EMPTY_SLOT;
+    for (Py_ssize_t i = 0; i < n; i++) { /* each id's distinct value, numbered as first seen */
+        uint64_t h = ((uint64_t)in[i] * 0x9E3779B97F4A7C15ull) >> 32;
+        size_t s = h & (slots - 1);
+        while (slot_at[s] != EMPTY_SLOT && slot_key[s] != in[i]) s = (s + 1) & (slots - 1);
+        if (slot_at[s] == EMPTY_SLOT) {
+            slot_key[s] = in[i], slot_at[s] = (int32_t)k;
+            key[k] = (uint64_t)in[i] ^ 0x8000000000000000ull; /* signed order as unsigned */
+            order[k] = (int32_t)k;
+            k++;
+        }
+        first[i] = slot_at[s];
+    }
+    radix_sort(key, order, key2, order2, k);
+    for (Py_ssize_t j = 0; j < k; j++) {
+        out[j] = (int64_t)(key[j] ^ 0x8000000000000000ull);
+        rank[order[j]] = (int32_t)j;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) inv[i] = rank[first[i]];
+    Py_END_ALLOW_THREADS
+    PyMem_Free(slot_key), PyMem_Free(slot_at), PyMem_Free(first), PyMem_Free(order), PyMem_Free(order2), PyMem_Free(rank);
+    PyMem_Free(key), PyMem_Free(key2);
+    release(bufs, 3);
+    return PyLong_FromSsize_t(k);
+fail:
+    PyMem_Free(slot_key), PyMem_Free(slot_at), PyMem_Free(first), PyMem_Free(order), PyMem_Free(order2), PyMem_Free(rank);
+    PyMem_Free(key), PyMem_Free(key2);
+    release(bufs, 3);
+    return NULL;
+}
+
 /* put_back(block, lo, saved): a checkpoint's block of a table (rows lo.. of it, copied while
    training changed them) gets back the rows' values as they were at the snapshot: each entry of
    the list `saved` is (rows, their old values, ...), the rows strictly increasing. A snapshot keeps
@@ -904,6 +1015,7 @@ static PyMethodDef methods[] = {
     {"check_rows", check_rows, METH_VARARGS, "check_rows(rows, n) -> strictly increasing?; ValueError outside 0..n-1"},
     {"take", take, METH_VARARGS, "take(table, rows, out): out[i] = table[rows[i]]"},
     {"segment_sum", segment_sum, METH_VARARGS, "segment_sum(values, indices, out): out = 0; out[indices[i]] += values[i]"},
+    {"unique", unique, METH_VARARGS, "unique(ids, uniq, inverse) -> k: uniq[:k] the distinct ids, increasing; ids == uniq[inverse]"},
     {"put_back", put_back, METH_VARARGS, "put_back(block, lo, [(rows, values, ...)]): block[r - lo] = the row's value, for rows in the block"},
     {"sgd", sgd, METH_VARARGS, "sgd(table, rows, grad, lr)"},
     {"momentum", momentum, METH_VARARGS, "momentum(table, accum, rows, grad, lr, mu)"},

@@ -5,6 +5,8 @@ parameter shapes and the number of PS, so nothing needs to be agreed over the wi
 - Embedding tables (sparse) are partitioned by rows across all PS.
 - A dense variable larger than half a PS's fair share is partitioned by rows across all PS.
 - The rest go whole, largest first, to the least-loaded PS.
+A worker routes each batch's table ids to the PS that hold their rows, each id once (`batch_ids`,
+`route_rows`).
 """
 from __future__ import annotations
 
@@ -13,7 +15,13 @@ from functools import cached_property
 
 import numpy as np
 
+from . import wire
 from .models import Param
+
+try:
+    from ._rows import unique as _unique
+except ImportError:  # the package built without its C kernels (runtime/_rows.c): NumPy's unique
+    _unique = None
 
 
 @dataclass(frozen=True)
@@ -101,3 +109,18 @@ def route_rows(parts: list[Part], ids: np.ndarray) -> list[tuple[Part, np.ndarra
         if hi > lo:
             out.append((part, np.arange(lo, hi), ids[lo:hi] - part.start))
     return out
+
+
+def batch_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's distinct ids, increasing, and where each id is among them, in an aligned array
+    of the ids' shape (TensorFlow reads it in place): NumPy's unique(ids, return_inverse=True).
+    In C (runtime/_rows.c) through a hash table, where NumPy sorts every id: 34 against 147 µs
+    for a batch of the 2M-row click model (4,096 ids, 1,334 distinct)."""
+    inverse = wire.aligned_array(ids.shape, np.int64)
+    flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
+    if _unique is None:
+        uniq, found = np.unique(flat, return_inverse=True)
+        inverse[...] = found.reshape(ids.shape)
+        return uniq, inverse
+    uniq = np.empty(len(flat), np.int64)
+    return uniq[:_unique(flat, uniq, inverse)], inverse

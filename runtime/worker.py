@@ -26,7 +26,7 @@ from .client import SentSteps, ShardClient
 from .datapath import ReplyBuffers
 from .metrics import WARM_UP_ONE_IN, WorkerMetrics
 from .models import BatchSource, ModelDef
-from .sharding import Placement, place, route_rows
+from .sharding import Placement, batch_ids, place, route_rows
 from .zerocopy import as_tensor
 
 try:
@@ -355,9 +355,7 @@ class Worker:
         for name, param in self.sparse.items():
             feature = param.feature
             if feature not in uniq:
-                uniq[feature], inverse = np.unique(x[feature].reshape(-1), return_inverse=True)
-                local_x[feature] = remapped = wire.aligned_array(x[feature].shape, np.int64)
-                remapped[...] = inverse.reshape(x[feature].shape)
+                uniq[feature], local_x[feature] = batch_ids(x[feature])
             routes[name] = route_rows(self.plan.parts_of(name), uniq[feature])
             for part, _, local in routes[name]:
                 per_shard[part.ps][f"{part.name}:rows"] = local.astype(np.int64)

@@ -1,8 +1,10 @@
 """Placement of parameters on PS shards: deterministic, size-balanced, tables partitioned."""
 import numpy as np
+import pytest
 
+from tfps.runtime import sharding, wire
 from tfps.runtime.models import Param, load_model
-from tfps.runtime.sharding import place, route_rows
+from tfps.runtime.sharding import batch_ids, place, route_rows
 
 
 def test_same_inputs_give_the_same_plan():
@@ -40,3 +42,33 @@ def test_route_rows_splits_ids_by_part():
     ids = np.array([0, 3, 5, 9], np.int64)
     routes = route_rows(plan.parts_of("t"), ids)
     assert [(part.ps, list(pos), list(local)) for part, pos, local in routes] == [(0, [0, 1], [0, 3]), (1, [2, 3], [0, 4])]
+
+
+def _id_batches():
+    rng = np.random.default_rng(7)
+    yield np.zeros((0, 8), np.int64)
+    yield np.full((3, 5), -7, np.int64)
+    yield rng.integers(-2**62, 2**62, (64, 8))  # values that differ in every byte, signs mixed
+    yield rng.integers(0, 50, 1000)  # many repeats
+    yield rng.integers(0, 2**40, (512, 8))
+    for _ in range(20):  # the click model's power-law ids
+        yield ((rng.zipf(1.2, (512, 8)) - 1) % 2_000_000).astype(np.int64)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["C", "NumPy"])
+def test_batch_ids_are_numpys_unique_and_inverse(kernels, monkeypatch):
+    """Each batch's distinct ids, increasing, and where each id is among them, as NumPy's unique
+    gives them; the positions come in an aligned array of the batch's shape (TensorFlow reads it
+    in place). With the C kernels and without."""
+    if kernels and sharding._unique is None:
+        pytest.skip("the package was built without its C kernels")
+    if not kernels:
+        monkeypatch.setattr(sharding, "_unique", None)
+    for ids in _id_batches():
+        uniq, inverse = batch_ids(ids)
+        want_uniq, want_inverse = np.unique(ids.reshape(-1), return_inverse=True)
+        np.testing.assert_array_equal(uniq, want_uniq)
+        assert inverse.shape == ids.shape and inverse.dtype == np.int64
+        np.testing.assert_array_equal(inverse.reshape(-1), want_inverse.reshape(-1))
+        np.testing.assert_array_equal(uniq[inverse], ids)
+        assert not ids.size or inverse.ctypes.data % wire.ALIGN == 0
