@@ -271,6 +271,9 @@ class BatchSource:
     def indices(self, step: int) -> np.ndarray:
         n = len(self.data)
         start = step * self.batch * self.num_workers + self.worker * self.batch
+        epoch, offset = divmod(start, n)
+        if offset + self.batch <= n:  # within one epoch, as most batches are
+            return self._perm(epoch)[offset:offset + self.batch].copy()
         pos = np.arange(start, start + self.batch)
         epochs = pos // n
         out = np.empty(self.batch, np.int64)

@@ -13,6 +13,20 @@ def test_n_workers_batches_union_is_the_single_worker_batch():
         np.testing.assert_array_equal(np.concatenate([p.indices(step) for p in parts]), single.indices(step))
 
 
+@pytest.mark.parametrize("batch", [7, 10, 64])
+def test_batches_are_positions_of_each_epochs_permutation(batch):
+    """Batch `s` of worker `w` is positions s*G + w*batch ... of the stream of epoch permutations,
+    inside one epoch and across a boundary alike; each epoch shows every example once."""
+    data = Dataset({"x": np.zeros((50, 1), np.float32)}, np.arange(50))
+    workers = [BatchSource(data, 5, batch, worker=w, num_workers=2) for w in range(2)]
+    stream = np.concatenate([np.random.default_rng([5, e]).permutation(50) for e in range(60)])
+    for step in range(20):
+        for w, source in enumerate(workers):
+            start = (step * 2 + w) * batch
+            np.testing.assert_array_equal(source.indices(step), stream[start:start + batch])
+    assert sorted(stream[:50]) == list(range(50))
+
+
 def test_same_seed_same_order_other_seed_other_order():
     data = Dataset({"x": np.zeros((50, 1), np.float32)}, np.arange(50))
     a, b, c = (BatchSource(data, s, 10) for s in (1, 1, 2))
