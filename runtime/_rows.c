@@ -1,6 +1,7 @@
 /* A PS's update kernels: the decoding and checks of a request (its rows; its gradients free of
    NaN and Inf), the optimizer updates of the embedding rows it touches, and the dense updates,
-   each one pass in C; and a worker's one, the sum of its batch's gradients per table row.
+   each one pass in C; and a worker's two: its batch's table ids numbered by the distinct ones,
+   and the sum of its batch's gradients per table row.
 
    In NumPy an update of k rows is a gather of the rows (and of each slot's rows), several
    whole-array passes over the gathered copies and a scatter back, with a return to the
@@ -1031,7 +1032,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "A PS's update kernels and a worker's row sums (runtime/_rows.c).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "A PS's update kernels, a worker's id numbering and row sums (runtime/_rows.c).", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__rows(void) { return PyModule_Create(&module); }
