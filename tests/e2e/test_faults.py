@@ -32,7 +32,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SH = REPO / "hack" / "cluster.sh"
-STEPS, EVERY = 400, 50  # a few hundred steps, a checkpoint every 50
+# A checkpoint every 50 steps, the fault after step 150. The steps go at 200-400 a second here,
+# and the fault lands a second or more after the test sees step 150 (its scrapes, kubectl): the
+# run must outlast that by far, or the fault hits a job that has finished (400 steps once did).
+STEPS, EVERY = 1600, 50
 FAULT_AT = 150  # the step (of PS 0) after which the fault is injected
 ACCURACY_POINTS = 0.01
 
@@ -221,7 +224,7 @@ def test_workers_scaled_up_live_mid_run(cluster, stack, tmp_path, record_propert
     batches in 3 from then on, and the job succeeds. A longer run than the faults', held to an
     absolute accuracy: the new pod starts (TensorFlow imported) in 10-30 s on 2 busy cores, and
     the run must outlast that by far (2,400 steps once ended first in a full suite run)."""
-    steps = 15 * STEPS
+    steps = 6000
     body = manifest("f-scale-up", tmp_path / "checkpoints", steps=steps, every=steps)
     run = JobRun(cluster, stack, body).start()
     core = client.CoreV1Api(cluster.api)
