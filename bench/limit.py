@@ -3,9 +3,10 @@
 `python -m tfps.bench.limit --model mlp --model-args '{"hidden": [512, 512]}' --batch 128`
 starts the same number of worker processes as the PS runs, each computing gradients the
 way a tfps worker does (tfps's grad_fn on the same `ModelDef`, batches and parameters as
-tensors, a batch's table ids numbered by its distinct ids with tfps's `batch_ids`), and moving each step's bytes over a plain TCP socket to a process that only
-answers: the push (every dense gradient, and the touched rows' gradients of each embedding
-table) out, the pull (every dense parameter, and the rows the next batch touches) back.
+tensors, a batch's table ids numbered by its distinct ids with tfps's `batch_ids`), and
+moving each step's bytes over a plain TCP socket to a process that only answers: the push
+(every dense gradient, and the touched rows' gradients of each embedding table) out, the pull
+(every dense parameter, and the rows the next batch touches) back.
 No optimizer, no framing beyond a length; each tensor starts on wire.ALIGN (`aligned_offsets`),
 as in a tfps message, so that TensorFlow uses the received bytes in place, as a tfps worker's.
 Each worker sizes TensorFlow's thread pools as `tfps local` sizes a replica's (`--processes`).

@@ -634,49 +634,48 @@ static void radix_sort(uint64_t *key, int32_t *idx, uint64_t *key2, int32_t *idx
 }
 
 static PyObject *unique(PyObject *self, PyObject *args) {
-    PyObject *ids, *uniq, *inverse;
+    PyObject *ids, *uniq, *inverse, *result = NULL;
     Buf bufs[3] = {0};
     int64_t *slot_key = NULL;
-    int32_t *slot_at = NULL, *first = NULL, *order = NULL, *order2 = NULL, *rank = NULL;
+    int32_t *slot_at = NULL, *order = NULL, *order2 = NULL, *rank = NULL;
     uint64_t *key = NULL, *key2 = NULL;
     if (!PyArg_ParseTuple(args, "OOO", &ids, &uniq, &inverse)) return NULL;
     if (get(ids, &bufs[0], "q", 1, 0, "ids") < 0 || get(uniq, &bufs[1], "q", 1, 1, "uniq") < 0 ||
         get(inverse, &bufs[2], "q", -1, 1, "inverse") < 0)
-        goto fail;
+        goto done;
     Py_ssize_t n = bufs[0].view.shape[0];
     if (bufs[1].view.shape[0] < n || bufs[2].view.len != n * (Py_ssize_t)sizeof(int64_t)) {
         PyErr_Format(PyExc_ValueError, "uniq of %zd and inverse of %zd items for %zd ids", bufs[1].view.shape[0],
                      bufs[2].view.len / (Py_ssize_t)sizeof(int64_t), n);
-        goto fail;
+        goto done;
     }
     if (n > INT32_MAX / 2) {
         PyErr_SetString(PyExc_ValueError, "too many ids");
-        goto fail;
+        goto done;
     }
     if (overlap(&bufs[0], &bufs[1]) || overlap(&bufs[0], &bufs[2]) || overlap(&bufs[1], &bufs[2])) {
         PyErr_SetString(PyExc_ValueError, "ids, uniq and inverse must not share memory");
-        goto fail;
+        goto done;
     }
-    size_t slots = 16;
+    size_t slots = 16, m = n ? (size_t)n : 1;
     while (slots < 2 * (size_t)n) slots <<= 1;
     slot_key = PyMem_Malloc(slots * sizeof *slot_key);
     slot_at = PyMem_Malloc(slots * sizeof *slot_at);
-    first = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *first);
-    order = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *order);
-    order2 = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *order2);
-    rank = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *rank);
-    key = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *key);
-    key2 = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *key2);
-    if (!slot_key || !slot_at || !first || !order || !order2 || !rank || !key || !key2) {
+    order = PyMem_Malloc(m * sizeof *order);
+    order2 = PyMem_Malloc(m * sizeof *order2);
+    rank = PyMem_Malloc(m * sizeof *rank);
+    key = PyMem_Malloc(m * sizeof *key);
+    key2 = PyMem_Malloc(m * sizeof *key2);
+    if (!slot_key || !slot_at || !order || !order2 || !rank || !key || !key2) {
         PyErr_NoMemory();
-        goto fail;
+        goto done;
     }
     const int64_t *in = bufs[0].view.buf;
     int64_t *out = bufs[1].view.buf, *inv = bufs[2].view.buf;
     Py_ssize_t k = 0;
     Py_BEGIN_ALLOW_THREADS
     for (size_t s = 0; s < slots; s++) slot_at[s] = EMPTY_SLOT;
-    for (Py_ssize_t i = 0; i < n; i++) { /* each id's distinct value, numbered as first seen */
+    for (Py_ssize_t i = 0; i < n; i++) { /* inv: each id's distinct value, numbered as first seen */
         uint64_t h = ((uint64_t)in[i] * 0x9E3779B97F4A7C15ull) >> 32;
         size_t s = h & (slots - 1);
         while (slot_at[s] != EMPTY_SLOT && slot_key[s] != in[i]) s = (s + 1) & (slots - 1);
@@ -686,24 +685,21 @@ static PyObject *unique(PyObject *self, PyObject *args) {
             order[k] = (int32_t)k;
             k++;
         }
-        first[i] = slot_at[s];
+        inv[i] = slot_at[s];
     }
     radix_sort(key, order, key2, order2, k);
     for (Py_ssize_t j = 0; j < k; j++) {
         out[j] = (int64_t)(key[j] ^ 0x8000000000000000ull);
         rank[order[j]] = (int32_t)j;
     }
-    for (Py_ssize_t i = 0; i < n; i++) inv[i] = rank[first[i]];
+    for (Py_ssize_t i = 0; i < n; i++) inv[i] = rank[inv[i]]; /* renumbered in increasing order */
     Py_END_ALLOW_THREADS
-    PyMem_Free(slot_key), PyMem_Free(slot_at), PyMem_Free(first), PyMem_Free(order), PyMem_Free(order2), PyMem_Free(rank);
+    result = PyLong_FromSsize_t(k);
+done:
+    PyMem_Free(slot_key), PyMem_Free(slot_at), PyMem_Free(order), PyMem_Free(order2), PyMem_Free(rank);
     PyMem_Free(key), PyMem_Free(key2);
     release(bufs, 3);
-    return PyLong_FromSsize_t(k);
-fail:
-    PyMem_Free(slot_key), PyMem_Free(slot_at), PyMem_Free(first), PyMem_Free(order), PyMem_Free(order2), PyMem_Free(rank);
-    PyMem_Free(key), PyMem_Free(key2);
-    release(bufs, 3);
-    return NULL;
+    return result;
 }
 
 /* put_back(block, lo, saved): a checkpoint's block of a table (rows lo.. of it, copied while
