@@ -10,9 +10,10 @@ What it installs, all from Kueue's own module in Go's module cache:
   NAMESPACE_LABEL, so a Kueue that died can block pod creation in those namespaces only.
 Kueue runs with the `pod` integration managing the same namespaces only, leader election off,
 its internal certificate management off, metrics and health on 127.0.0.1, and its visibility
-API server off. Its manager reads the metrics certificate from a fixed path,
-/etc/kueue/metrics/certs: it runs in a private mount namespace whose /etc is an overlay, so the
-machine's /etc is never written.
+API server off; it logs at verbosity 2 (`TFPS_KUEUE_LOG_LEVEL` sets another: 5 shows each
+pod it ungates and why it skips one). Its manager reads the metrics certificate from a fixed
+path, /etc/kueue/metrics/certs: it runs in a private mount namespace whose /etc is an overlay, so
+the machine's /etc is never written.
 
 On exit, in this order: the webhooks go, Kueue stops, the finalizers Kueue put on pods and on
 its own objects are removed (nothing is left stuck terminating), and the CRDs installed here are
@@ -182,7 +183,7 @@ def argv(kubeconfig: Path, config: Path, work: Path, certs: Path) -> list[str]:
              f' && exec "$0" "$@"')
     return ["unshare", "--mount", "--propagation", "private", "sh", "-c", setup, str(binary()),
             f"--kubeconfig={kubeconfig}", f"--config={config}", "--feature-gates=VisibilityOnDemand=false",
-            "--zap-log-level=2"]
+            "--zap-log-level=" + os.environ.get("TFPS_KUEUE_LOG_LEVEL", "2")]
 
 
 # ---------------------------------------------------------------------------------------------

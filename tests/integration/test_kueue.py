@@ -108,6 +108,17 @@ def _delete_queues(custom: client.CustomObjectsApi, namespace: str) -> None:
                 raise
 
 
+def _report(op: OperatorHarness, kueue) -> None:
+    """What a failure here needs, most telling first (CI output keeps a failure's first lines):
+    each pod's phase, node, gates and conditions, then the operator's and Kueue's last lines."""
+    for pod in op.core.list_namespaced_pod(op.namespace).items:
+        gates = [g.name for g in pod.spec.scheduling_gates or []]
+        conditions = [(c.type, c.status, c.reason) for c in pod.status.conditions or []]
+        print(f"{pod.metadata.name}: {pod.status.phase}, node {pod.spec.node_name or '-'}, gates {gates}, "
+              f"deleting {pod.metadata.deletion_timestamp is not None}, {conditions}")
+    print(op.logs()[-4000:], "\n--- kueue ---\n", kueue.log()[-4000:])
+
+
 def _condition(obj: dict | None, ctype: str) -> dict:
     return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
 
@@ -123,7 +134,7 @@ def test_second_job_waits_for_the_quota_the_first_frees(kueue_cluster, crds, nam
     try:
         _run_two_jobs(op, custom, cq)
     except BaseException:
-        print(op.logs()[-6000:], "\n--- kueue ---\n", kueue_cluster.log()[-6000:])
+        _report(op, kueue_cluster)
         raise
     finally:
         op.cleanup()
@@ -231,7 +242,7 @@ def test_a_restarted_worker_rejoins_the_admitted_group(kueue_cluster, crds, name
         wait_for("the Workload finished", lambda: _condition(
             _workload(custom, namespace, group), "Finished").get("status") == "True", timeout=60)
     except BaseException:
-        print(op.logs()[-6000:], "\n--- kueue ---\n", kueue_cluster.log()[-6000:])
+        _report(op, kueue_cluster)
         raise
     finally:
         op.cleanup()
@@ -269,7 +280,7 @@ def test_suspending_a_queued_job_frees_its_quota_and_resuming_queues_it_anew(kue
         op.wait_phase("job", "Running", timeout=60)
         wait_for("the job's quota in use", lambda: usage() == QUOTA, timeout=30)
     except BaseException:
-        print(op.logs()[-6000:], "\n--- kueue ---\n", kueue_cluster.log()[-6000:])
+        _report(op, kueue_cluster)
         raise
     finally:
         op.cleanup()
