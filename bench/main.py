@@ -46,9 +46,10 @@ ANCHOR_STARTUP_S = 150.0  # allowance for starting the anchor's processes on a b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES), help="which dense shapes (default: all; none: only the embedding ones)")
+    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES),
+                        help="which dense shapes (default: all; the flag alone, with no shape: only the embedding ones)")
     parser.add_argument("--embedding-shapes", nargs="*", choices=list(embedding.SHAPES), default=list(embedding.SHAPES),
-                        help="which large-embedding shapes (default: all; none: only the dense ones)")
+                        help="which large-embedding shapes (default: all; the flag alone, with no shape: only the dense ones)")
     parser.add_argument("--repeats", type=int, default=3, help="paired repeats per shape; the report gives the median ratio")
     parser.add_argument("--seconds", type=float, default=15.0, help="timed window of each measurement, after warm-up")
     parser.add_argument("--warmup-seconds", type=float, default=3.0, help="untimed steps before each anchor's window")
