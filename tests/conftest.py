@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from support import hack_module, wait_for
+from support import hack_module, pods_state, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_SH = REPO / "hack" / "cluster.sh"
@@ -211,17 +211,6 @@ def pytest_runtest_makereport(item, call):
                                 _cluster_state(item.funcargs.get("cluster"), item.funcargs.get("namespace"))))
 
 
-def _pods_state(api, namespace: str) -> list[str]:
-    from kubernetes import client
-
-    lines = [f"pods in {namespace}:"]
-    for pod in client.CoreV1Api(api).list_namespaced_pod(namespace).items:
-        scheduled = next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)
-        why = f" ({scheduled.reason}: {scheduled.message})" if scheduled and scheduled.status != "True" else ""
-        lines.append(f"  {pod.metadata.name}: {pod.status.phase}, node {pod.spec.node_name or '-'}{why}")
-    return lines
-
-
 def _scheduler_lines(log: Path, namespace: str, n: int = 40) -> str:
     try:
         text = log.read_text(errors="replace")
@@ -242,7 +231,7 @@ def _cluster_state(cluster: Cluster | None = None, namespace: str | None = None)
             lines.append(f"node {hc.NODE_NAME}: {hc.node_summary(p, info['apiserver_url'])}")
         lines += ["kubelet log:", hc.tail(p.logfile("kubelet"), 15)]
         if cluster and namespace:
-            lines += _pods_state(cluster.api, namespace)
+            lines += pods_state(cluster.api, namespace)
             lines += [f"kube-scheduler log, lines naming {namespace}:", _scheduler_lines(p.logfile("kube-scheduler"), namespace)]
         return "\n".join(lines)
     except Exception as err:  # a report of the state must not hide the test's own failure

@@ -13,7 +13,7 @@ import pytest
 from conftest import GROUP, OperatorHarness, job_manifest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from support import hack_module, wait_for
+from support import hack_module, pods_state, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -110,12 +110,8 @@ def _delete_queues(custom: client.CustomObjectsApi, namespace: str) -> None:
 
 def _report(op: OperatorHarness, kueue) -> None:
     """What a failure here needs, most telling first (CI output keeps a failure's first lines):
-    each pod's phase, node, gates and conditions, then the operator's and Kueue's last lines."""
-    for pod in op.core.list_namespaced_pod(op.namespace).items:
-        gates = [g.name for g in pod.spec.scheduling_gates or []]
-        conditions = [(c.type, c.status, c.reason) for c in pod.status.conditions or []]
-        print(f"{pod.metadata.name}: {pod.status.phase}, node {pod.spec.node_name or '-'}, gates {gates}, "
-              f"deleting {pod.metadata.deletion_timestamp is not None}, {conditions}")
+    where each pod is and what holds it, then the operator's and Kueue's last lines."""
+    print("\n".join(pods_state(op.core.api_client, op.namespace)))
     print(op.logs()[-4000:], "\n--- kueue ---\n", kueue.log()[-4000:])
 
 

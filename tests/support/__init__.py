@@ -1,4 +1,5 @@
-"""What tests share: waiting for an event, reading Prometheus metrics, loading hack/ scripts.
+"""What tests share: waiting for an event, reading Prometheus metrics, loading hack/ scripts,
+saying where a namespace's pods are when a test fails.
 
 Importable as `support` (pytest puts tests/ on sys.path for tests/conftest.py). A test waits
 for the event that proves the behaviour with `wait_for`, never sleeps and then asserts that
@@ -64,3 +65,22 @@ def hack_module(name: str) -> ModuleType:
     sys.modules[key] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def pods_state(api, namespace: str) -> list[str]:
+    """A line for each pod in `namespace` (`api`: a kubernetes ApiClient): its phase, its node or why
+    it has none, the scheduling gates it still has, whether it is being deleted, and any other
+    condition that is not True."""
+    from kubernetes import client
+
+    lines = [f"pods in {namespace}:"]
+    for pod in client.CoreV1Api(api).list_namespaced_pod(namespace).items:
+        conditions = pod.status.conditions or []
+        scheduled = next((c for c in conditions if c.type == "PodScheduled"), None)
+        why = f" ({scheduled.reason}: {scheduled.message})" if scheduled and scheduled.status != "True" else ""
+        gates = [g.name for g in pod.spec.scheduling_gates or []]
+        others = [(c.type, c.status, c.reason) for c in conditions if c.type != "PodScheduled" and c.status != "True"]
+        lines.append(f"  {pod.metadata.name}: {pod.status.phase}, node {pod.spec.node_name or '-'}{why}"
+                     + (f", gates {gates}" if gates else "") + (", deleting" if pod.metadata.deletion_timestamp else "")
+                     + (f", {others}" if others else ""))
+    return lines
