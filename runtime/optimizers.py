@@ -25,6 +25,8 @@ SLOTS = {
     OptimizerName.ADAGRAD: ("accumulator",),
 }
 _F32 = np.float32
+_F32_DTYPE = np.dtype(np.float32)
+_SGD = OptimizerName.SGD
 _INT64_MAX = np.iinfo(np.int64).max  # check_rows' bound when only the order is asked
 
 
@@ -56,13 +58,14 @@ class ShardOptimizer:
     def __init__(self, spec: OptimizerSpec):
         self.spec = spec
         self.name = spec.name
+        self._slots = SLOTS[self.name]
         self._lr = _F32(spec.learning_rate)
         self._momentum = _F32(spec.momentum)
         self._b1, self._b2 = _F32(spec.beta1), _F32(spec.beta2)
         self._eps = _F32(spec.epsilon)
 
     def slot_names(self) -> tuple[str, ...]:
-        return SLOTS[self.name]
+        return self._slots
 
     def initial_slot(self, slot: str, shape) -> np.ndarray:
         # Written whole now, not left as fresh zero pages: faulting those in at random rows
@@ -81,19 +84,23 @@ class ShardOptimizer:
         this shard's updates (Adam's bias correction). Returns the new variable and slots, written
         in one pass in C; the given arrays are left as they were. With `check`, a gradient with a
         NaN or an Inf raises NonFiniteGradient (the same pass finds it)."""
-        grad, plus = as_float32(grad), as_float32(plus)  # bfloat16 off the wire
-        name, lr, tail = self.name, self._lr, (plus, _F32(scale))
-        new = np.empty_like(var)
-        fresh = {s: np.empty_like(var) for s in SLOTS[name]}
-        if name is OptimizerName.SGD:
-            finite = _rows.dense_sgd(var, grad, new, lr, *tail)
+        # Kept lean: a PS makes this call for each dense variable of every push, and on a small
+        # variable (a bias) its Python took longer than the update.
+        if grad.dtype is not _F32_DTYPE:
+            grad = as_float32(grad)  # bfloat16 off the wire
+        if plus is not None and plus.dtype is not _F32_DTYPE:
+            plus = as_float32(plus)
+        name, new = self.name, np.empty_like(var)
+        fresh = {s: np.empty_like(var) for s in self._slots}
+        if name is _SGD:
+            finite = _rows.dense_sgd(var, grad, new, self._lr, plus, scale)
         elif name is OptimizerName.MOMENTUM:
-            finite = _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], lr, self._momentum, *tail)
+            finite = _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], self._lr, self._momentum, plus, scale)
         elif name is OptimizerName.ADAM:
             finite = _rows.dense_adam(var, grad, new, slots["m"], fresh["m"], slots["v"], fresh["v"],
-                                      self._b1, self._b2, self._adam_rate(t), self._eps, *tail)
+                                      self._b1, self._b2, self._adam_rate(t), self._eps, plus, scale)
         elif name is OptimizerName.ADAGRAD:
-            finite = _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], lr, self._eps, *tail)
+            finite = _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], self._lr, self._eps, plus, scale)
         else:  # pragma: no cover - the spec's enum is closed
             raise ValueError(name)
         if check and not finite:

@@ -15,6 +15,7 @@ chunks (see `encode_chunks` / `join`).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ GRPC_OPTIONS = [
 # half of start-up that a PS of a float32 job never needs (TensorFlow imports it anyway in a worker).
 _NP_DTYPES = {name: np.dtype(name) for name in ("float32", "int64", "int32", "float16")}
 _DTYPE_NAMES = {dtype: name for name, dtype in _NP_DTYPES.items()}
+_BUFFER_DTYPES = frozenset(_NP_DTYPES.values())  # NumPy's own: an array of one exports its bytes as a buffer
+_ADDRESSABLE = _BUFFER_DTYPES | {np.dtype(np.uint8), np.dtype(np.uint16)}
+_CHAR = ctypes.c_char
 
 
 def dtype(name: str) -> np.dtype:
@@ -108,8 +112,14 @@ def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
         pad = -offset % ALIGN
         if pad:
             bufs.append(_ZEROS[:pad])
-        entries.append([name, dtype_name(arr.dtype), list(arr.shape), arr.nbytes])
-        bufs.append(arr if lazy else memoryview(arr.reshape(-1).view(np.uint8)))  # bytes of any dtype, bfloat16 too (format "B")
+        dt = arr.dtype
+        entries.append([name, dtype_name(dt), list(arr.shape), arr.nbytes])
+        if lazy:
+            bufs.append(arr)
+        elif dt in _BUFFER_DTYPES and arr.ndim and arr.size:  # its own buffer as bytes: a fifth of a uint8 view's cost
+            bufs.append(arr.data.cast("B"))
+        else:  # bfloat16 (ml_dtypes' exports none), 0-d and empty arrays
+            bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))
         offset += pad + arr.nbytes
     header = orjson.dumps({"meta": meta, "tensors": entries, "align": ALIGN}, option=_DUMPS_OPTIONS)
     header += b" " * (-(HEADER_LENGTH.size + len(header)) % ALIGN)  # the first tensor starts aligned
@@ -127,10 +137,19 @@ def expand(parts: Iterable) -> Iterator:
             yield piece
 
 
+def address(arr: np.ndarray) -> int:
+    """Where `arr`'s first byte is. `ndarray.ctypes` builds an object on every call (2 µs, and a
+    worker asks about ten times a step); ctypes finds it in a third of that for a writable,
+    C-contiguous, non-empty array of NumPy's own dtypes."""
+    if arr.dtype in _ADDRESSABLE and arr.size and arr.flags.writeable and arr.flags.c_contiguous:
+        return ctypes.addressof(_CHAR.from_buffer(arr))
+    return arr.ctypes.data
+
+
 def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     """An uninitialised uint8 buffer starting on an `align` boundary."""
     raw = np.empty(nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
+    start = -address(raw) % align
     return raw[start:start + nbytes]
 
 

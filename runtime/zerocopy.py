@@ -20,7 +20,7 @@ _DLPACK_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32)}
 
 def in_place(arr: np.ndarray) -> bool:
     """True when TensorFlow can use `arr`'s memory as it is."""
-    return (arr.size > 0 and arr.flags.c_contiguous and arr.flags.writeable and arr.ctypes.data % wire.ALIGN == 0
+    return (arr.size > 0 and arr.flags.c_contiguous and arr.flags.writeable and wire.address(arr) % wire.ALIGN == 0
             and (arr.dtype in _DLPACK_DTYPES or arr.dtype == _BFLOAT16))
 
 
