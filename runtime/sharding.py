@@ -101,14 +101,12 @@ def initial_part(part: Part, param: Param, seed: int) -> np.ndarray:
     return param.initial_value(seed) if not part.shape else param.initial_rows(seed, part.start, part.stop)
 
 
-def route_rows(parts: list[Part], ids: np.ndarray) -> list[tuple[Part, np.ndarray, np.ndarray]]:
-    """Split sorted unique ids of one sparse parameter by part: (part, positions in ids, local rows)."""
-    out = []
-    for part in sorted(parts, key=lambda p: p.start):
-        lo, hi = np.searchsorted(ids, [part.start, part.stop])
-        if hi > lo:
-            out.append((part, np.arange(lo, hi), ids[lo:hi] - part.start))
-    return out
+def route_rows(parts: list[Part], ids: np.ndarray) -> list[tuple[Part, range, np.ndarray]]:
+    """Split sorted unique ids of one sparse parameter by part (`parts` in row order, as
+    `Placement.parts_of` gives them): (part, positions in ids, local rows) for each part with ids."""
+    bounds = np.searchsorted(ids, [row for part in parts for row in (part.start, part.stop)]).tolist()  # one call for all
+    return [(part, range(lo, hi), ids[lo:hi] - part.start)
+            for part, lo, hi in zip(parts, bounds[::2], bounds[1::2], strict=True) if hi > lo]
 
 
 def batch_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

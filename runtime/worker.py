@@ -286,6 +286,10 @@ class Worker:
         self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)
         self.grad_fn = make_grad_fn(model, training.wire_dtype)
         self.sparse = {p.name: p for p in model.sparse_params}
+        # Tables over one feature whose parts split the rows alike (wide-deep's two) route a
+        # batch's ids alike: `_sparse_plan` routes them once.
+        self._splits = {name: (p.feature, tuple((q.start, q.stop) for q in self.plan.parts_of(name))) for name, p in self.sparse.items()}
+        self._part_at = {name: {q.start: q for q in self.plan.parts_of(name)} for name in self.sparse}
         self.dense_vars = [p.name for p in model.params if not p.sparse]
         self._joined = _JoinedParams(self.plan, self.dense_vars)
         self._large = [
@@ -351,14 +355,19 @@ class Worker:
     def _sparse_plan(self, x: dict) -> tuple[dict, list[dict], dict]:
         """Remap id features onto the batch's unique ids. Returns the remapped features,
         per shard the rows to ask for, and per table its routes (part, positions, rows)."""
-        local_x, per_shard, routes, uniq = dict(x), [dict() for _ in self.clients], {}, {}
+        local_x, per_shard, routes, uniq, by_split = dict(x), [dict() for _ in self.clients], {}, {}, {}
         for name, param in self.sparse.items():
             feature = param.feature
             if feature not in uniq:
                 uniq[feature], local_x[feature] = batch_ids(x[feature])
-            routes[name] = route_rows(self.plan.parts_of(name), uniq[feature])
+            split = self._splits[name]
+            alike = by_split.get(split)
+            if alike is None:
+                routes[name] = by_split[split] = route_rows(self.plan.parts_of(name), uniq[feature])
+            else:  # the same routes as an earlier table's, through this table's own parts
+                routes[name] = [(self._part_at[name][part.start], positions, local) for part, positions, local in alike]
             for part, _, local in routes[name]:
-                per_shard[part.ps][f"{part.name}:rows"] = local.astype(np.int64)
+                per_shard[part.ps][f"{part.name}:rows"] = local
         return local_x, per_shard, routes
 
     def _rows_from(self, replies: list, routes: dict) -> dict[str, np.ndarray]:
