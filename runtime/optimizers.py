@@ -11,6 +11,8 @@ row and update the table and its slots in place, only those rows; Adam's rows ar
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tfps.api.spec import OptimizerName, OptimizerSpec
@@ -26,6 +28,7 @@ SLOTS = {
 }
 _F32 = np.float32
 _F32_DTYPE = np.dtype(np.float32)
+_I64_DTYPE = np.dtype(np.int64)
 _SGD = OptimizerName.SGD
 _INT64_MAX = np.iinfo(np.int64).max  # check_rows' bound when only the order is asked
 
@@ -49,7 +52,7 @@ def sum_duplicates(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np
 def _increasing(rows: np.ndarray) -> bool:
     """Whether `rows` are strictly increasing: one pass in C for the int64 rows a PS is sent
     (a tenth of NumPy's comparison and reduction, each call of which makes a temporary)."""
-    if rows.dtype == np.int64 and rows.ndim == 1 and rows.flags.c_contiguous:
+    if rows.dtype == _I64_DTYPE and rows.ndim == 1 and rows.flags.c_contiguous:
         return _rows.check_rows(rows, _INT64_MAX)
     return bool((rows[1:] > rows[:-1]).all())
 
@@ -63,6 +66,7 @@ class ShardOptimizer:
         self._momentum = _F32(spec.momentum)
         self._b1, self._b2 = _F32(spec.beta1), _F32(spec.beta2)
         self._eps = _F32(spec.epsilon)
+        self._rate: tuple[int, np.float32] = (-1, _F32(0))  # (t, _adam_rate(t)) of the latest update
 
     def slot_names(self) -> tuple[str, ...]:
         return self._slots
@@ -74,7 +78,12 @@ class ShardOptimizer:
         return np.full(shape, self.spec.initial_accumulator if slot == "accumulator" else 0.0, np.float32)
 
     def _adam_rate(self, t: int) -> np.float32:
-        return _F32(self.spec.learning_rate * np.sqrt(1 - self.spec.beta2 ** t) / (1 - self.spec.beta1 ** t))
+        """Adam's step size at update `t`, made once for all of an update's parts (math.sqrt is
+        NumPy's sqrt of the same float64, correctly rounded both: the same float32)."""
+        rate = self._rate
+        if rate[0] != t:
+            rate = self._rate = (t, _F32(self.spec.learning_rate * math.sqrt(1 - self.spec.beta2 ** t) / (1 - self.spec.beta1 ** t)))
+        return rate[1]
 
     def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int,
                     plus: np.ndarray | None = None, scale: float = 1.0, check: bool = True
@@ -115,9 +124,10 @@ class ShardOptimizer:
     def apply_rows(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, grad: np.ndarray, t: int) -> None:
         """`apply_sparse` for rows given once each (`sum_duplicates`' output): one pass over
         them in C (runtime/_rows.c: the same float operations as `apply_dense`, row by row)."""
-        grad = as_float32(grad)
+        if grad.dtype is not _F32_DTYPE:
+            grad = as_float32(grad)
         name, lr = self.name, self._lr
-        if name is OptimizerName.SGD:
+        if name is _SGD:
             _rows.sgd(var, rows, grad, lr)
         elif name is OptimizerName.MOMENTUM:
             _rows.momentum(var, slots["momentum"], rows, grad, lr, self._momentum)
