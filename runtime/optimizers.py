@@ -29,7 +29,6 @@ SLOTS = {
 _F32 = np.float32
 _F32_DTYPE = np.dtype(np.float32)
 _I64_DTYPE = np.dtype(np.int64)
-_SGD = OptimizerName.SGD
 _INT64_MAX = np.iinfo(np.int64).max  # check_rows' bound when only the order is asked
 
 
@@ -101,7 +100,7 @@ class ShardOptimizer:
             plus = as_float32(plus)
         name, new = self.name, np.empty_like(var)
         fresh = {s: np.empty_like(var) for s in self._slots}
-        if name is _SGD:
+        if name is OptimizerName.SGD:
             finite = _rows.dense_sgd(var, grad, new, self._lr, plus, scale)
         elif name is OptimizerName.MOMENTUM:
             finite = _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], self._lr, self._momentum, plus, scale)
@@ -127,7 +126,7 @@ class ShardOptimizer:
         if grad.dtype is not _F32_DTYPE:
             grad = as_float32(grad)
         name, lr = self.name, self._lr
-        if name is _SGD:
+        if name is OptimizerName.SGD:
             _rows.sgd(var, rows, grad, lr)
         elif name is OptimizerName.MOMENTUM:
             _rows.momentum(var, slots["momentum"], rows, grad, lr, self._momentum)

@@ -289,7 +289,6 @@ class Worker:
         # Tables over one feature whose parts split the rows alike (wide-deep's two) route a
         # batch's ids alike: `_sparse_plan` routes them once.
         self._splits = {name: (p.feature, tuple((q.start, q.stop) for q in self.plan.parts_of(name))) for name, p in self.sparse.items()}
-        self._part_at = {name: {q.start: q for q in self.plan.parts_of(name)} for name in self.sparse}
         self.dense_vars = [p.name for p in model.params if not p.sparse]
         self._joined = _JoinedParams(self.plan, self.dense_vars)
         self._large = [
@@ -360,12 +359,13 @@ class Worker:
             feature = param.feature
             if feature not in uniq:
                 uniq[feature], local_x[feature] = batch_ids(x[feature])
-            split = self._splits[name]
+            parts, split = self.plan.parts_of(name), self._splits[name]
             alike = by_split.get(split)
             if alike is None:
-                routes[name] = by_split[split] = route_rows(self.plan.parts_of(name), uniq[feature])
+                routes[name] = by_split[split] = route_rows(parts, uniq[feature])
             else:  # the same routes as an earlier table's, through this table's own parts
-                routes[name] = [(self._part_at[name][part.start], positions, local) for part, positions, local in alike]
+                at = {part.start: part for part in parts}
+                routes[name] = [(at[part.start], positions, local) for part, positions, local in alike]
             for part, _, local in routes[name]:
                 per_shard[part.ps][f"{part.name}:rows"] = local
         return local_x, per_shard, routes
