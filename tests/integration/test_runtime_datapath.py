@@ -191,6 +191,35 @@ def test_a_frame_that_comes_in_pieces_is_read_whole_and_a_silent_connection_is_c
         np.testing.assert_allclose(value, before[name] - 0.1 * 0.5, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_a_worker_that_stops_mid_frame_holds_no_other_worker_up(cluster):
+    """A connection that sent half a push and went quiet (a worker stopped, a network cut) does
+    not stop the PS answering the others: another worker's steps are answered on its data
+    connection in well under the seconds a stalled read holds its own connection (each
+    connection has a reader of its own). When the rest comes, that push is applied and answered."""
+    shard = cluster.shards[0]
+    version = shard.version
+    grads = {name: np.full_like(value, 0.5) for name, value in cluster.parameters().items()}
+    message = wire.encode({"worker": 1, "tag": version, "pull": False, "batch": 1, "seq": 20_000}, grads)
+    frame = FRAME.pack(len(message)) + message
+    with _hello(cluster.servers[0].data_port) as sock:
+        sock.sendall(frame[: len(frame) // 2])
+        time.sleep(0.2)
+        started = time.monotonic()
+        worker = cluster.worker(0)
+        worker.pull()
+        connection = worker.clients[0]._data
+        for _ in range(3):
+            worker.train_step()
+        assert time.monotonic() - started < 5.0
+        assert worker.clients[0]._data is connection is not None
+        worker.close()
+        assert shard.version == version + 3
+        sock.sendall(frame[len(frame) // 2:])
+        size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
+        reply = wire.decode(sock.recv(size, socket.MSG_WAITALL))
+        assert "error" not in reply.meta and reply.meta["version"] == version + 4
+
+
 def test_a_step_whose_data_connection_breaks_is_made_again_and_applied_once():
     """A worker sends its Step to every PS before it reads any reply (client.SentSteps).
     When one PS's connection breaks, that PS's request is made again through the client's
