@@ -206,13 +206,15 @@ def test_a_worker_that_stops_mid_frame_holds_no_other_worker_up(cluster):
         time.sleep(0.2)
         started = time.monotonic()
         worker = cluster.worker(0)
-        worker.pull()
-        connection = worker.clients[0]._data
-        for _ in range(3):
-            worker.train_step()
-        assert time.monotonic() - started < 5.0
-        assert worker.clients[0]._data is connection is not None
-        worker.close()
+        try:
+            worker.pull()
+            connection = worker.clients[0]._data
+            for _ in range(3):
+                worker.train_step()
+            assert time.monotonic() - started < 5.0
+            assert worker.clients[0]._data is connection is not None
+        finally:
+            worker.close()
         assert shard.version == version + 3
         sock.sendall(frame[len(frame) // 2:])
         size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
