@@ -22,11 +22,14 @@ MODULE = "tfps.bench.ceiling"
 def child(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
+    from tfps.runtime.process import freeze_startup_objects
+
     threads = size_tf_threads(args.processes)
     hidden = mlp.parse_hidden(args.hidden)
     model = mlp.load(args.input_dim, hidden, args.classes, args.seed)
     params = [tf.Variable(v) for v in mlp.initial_values(model, args.seed)]
     batches = iter(mlp.tf_dataset(model, args.batch, offset=args.index))
+    freeze_startup_objects()
 
     @tf.function
     def grad_step(x, y):

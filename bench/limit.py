@@ -295,6 +295,7 @@ def child(args: argparse.Namespace) -> None:
     import numpy as np
 
     from tfps.runtime.models import BatchSource, load_model
+    from tfps.runtime.process import freeze_startup_objects
     from tfps.runtime.sharding import batch_ids
     from tfps.runtime.worker import make_grad_fn
     from tfps.runtime.zerocopy import as_tensor
@@ -309,6 +310,7 @@ def child(args: argparse.Namespace) -> None:
     layout = _RowsLayout(padded_dense_size(dense), [t.shape[1] for t in tables]) if tables and args.update != "none" else None
     exchange = Exchange(args.port)
     state = {"step": 0}
+    freeze_startup_objects()
 
     def unique_ids(step: int):
         x, y = batches(step)
@@ -377,12 +379,14 @@ def child(args: argparse.Namespace) -> None:
 
 def measure(args: argparse.Namespace) -> dict:
     from tfps.runtime.models import load_model
+    from tfps.runtime.process import freeze_startup_objects
 
     model = load_model(args.model, json.loads(args.model_args), args.seed)
     tables = [t.shape for t in model.sparse_params]
     if tables and args.update == "sync":
         raise SystemExit("--update sync takes a dense model: a model with embedding tables takes --update async")
     answerer = Answerer(args.update, args.learning_rate, args.optimizer, padded_dense_size(model.params), tables)
+    freeze_startup_objects()
     listener = socket.create_server((LOOPBACK, 0))
     threading.Thread(target=serve, args=(listener, answerer), daemon=True).start()
     base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),

@@ -1,7 +1,11 @@
 """The bytes-inclusive limit's answering process (bench/limit.py), over real loopback sockets:
 what it sends back with no update, with the async update and with the sync update, and with the
-async update of a model's embedding tables (only the touched rows, the rows asked for back)."""
+async update of a model's embedding tables (only the touched rows, the rows asked for back);
+and the process settings every reference's processes run with."""
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -139,3 +143,42 @@ def test_tables_async_adam_moves_only_the_pushed_rows_slots():
     table, slots = answerer.tables[0]
     assert np.all(slots["m"][4] != 0) and not np.any(np.delete(slots["m"], 4, axis=0))  # lazy: the other rows' moments stay
     assert np.all(np.delete(table, 4, axis=0) == np.float32(0.01))
+
+
+_SETTINGS = r"""
+import argparse, ctypes, gc, json, os, sys, threading
+from tfps.bench.procs import child_or_orchestrator
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+
+def settings(args=None):
+    block = bytearray(16 << 20)  # a step's message, dropped
+    del block
+    thread = threading.Thread(target=lambda: bytearray(8 << 20))  # what a request thread builds and drops
+    thread.start()
+    thread.join()
+    print(json.dumps({"batch": os.sched_getscheduler(0) == os.SCHED_BATCH, "kept": libc.mallinfo2().fordblks >= 16 << 20}),
+          flush=True)
+    libc.malloc_stats()  # one "Arena N:" section per arena, on stderr
+
+role = sys.argv[1]
+child_or_orchestrator(argparse.Namespace(child=role == "child"), settings, lambda args: settings() or {})
+"""
+
+
+@pytest.mark.parametrize("role, arenas", [("child", 2), ("orchestrator", 1)])
+def test_the_references_processes_run_with_a_tfps_process_settings(role, arenas):
+    """The limits and the ceiling stand for tfps's own processes, so they run as those do
+    (runtime/process.py): under SCHED_BATCH, large buffers kept in the heap for the next step
+    (glibc's own accounting, mallinfo2), and the answering process, as a PS, in one arena (its
+    request thread allocates from the main heap); a child, as a worker, gives each thread its own."""
+    env = {k: v for k, v in os.environ.items() if k != "TFPS_SCHED_BATCH"}
+    other = lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # noqa: E731
+    out = subprocess.run([sys.executable, "-c", _SETTINGS, role], capture_output=True, text=True, check=True, env=env,
+                         preexec_fn=other, timeout=120)
+    assert out.stdout.splitlines()[0] == '{"batch": true, "kept": true}'
+    assert sum(line.startswith("Arena ") for line in out.stderr.splitlines()) == arenas
