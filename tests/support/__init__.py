@@ -1,5 +1,6 @@
 """What tests share: waiting for an event, reading Prometheus metrics, loading hack/ scripts,
-saying where a namespace's pods are when a test fails.
+saying where a namespace's pods are when a test fails, glibc's heap accounting in a child
+process.
 
 Importable as `support` (pytest puts tests/ on sys.path for tests/conftest.py). A test waits
 for the event that proves the behaviour with `wait_for`, never sleeps and then asserts that
@@ -19,6 +20,18 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
+
+# The start of a `python -c` script that reads glibc's own accounting of its heap:
+# `libc.mallinfo2()` (hblkhd: mmapped bytes; fordblks: free bytes kept in the heap) and
+# `libc.malloc_stats()` (one "Arena N:" section per arena, on stderr).
+MALLINFO_PRELUDE = r"""
+import ctypes
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+"""
 
 
 def wait_for(what: str, fn: Callable[[], T], timeout: float = 30, interval: float = 0.2) -> T:

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from support import MALLINFO_PRELUDE
 
 from tfps.bench import limit
 
@@ -145,15 +146,9 @@ def test_tables_async_adam_moves_only_the_pushed_rows_slots():
     assert np.all(np.delete(table, 4, axis=0) == np.float32(0.01))
 
 
-_SETTINGS = r"""
-import argparse, ctypes, gc, json, os, sys, threading
+_SETTINGS = MALLINFO_PRELUDE + r"""
+import argparse, json, os, sys, threading
 from tfps.bench.procs import child_or_orchestrator
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
 
 def settings(args=None):
     block = bytearray(16 << 20)  # a step's message, dropped

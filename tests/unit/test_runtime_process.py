@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+from support import MALLINFO_PRELUDE
 
 from tfps.runtime.local import Fault, LocalRun
 from tfps.runtime.process import ProcessConfig, cgroup_cpus
@@ -98,13 +99,8 @@ def test_threads_follow_the_cgroup_v1_cfs_quota(tmp_path, quota, period, cpus):
     assert cgroup_cpus(str(tmp_path / "no-cpu.max"), v1_dir=str(tmp_path)) == cpus
 
 
-_MALLINFO = r"""
-import ctypes, sys
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MallInfo2
+_MALLINFO = MALLINFO_PRELUDE + r"""
+import sys
 if sys.argv[1] == "tuned":
     from tfps.runtime.malloc import keep_large_buffers
     assert keep_large_buffers()
