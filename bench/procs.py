@@ -237,16 +237,14 @@ def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -
     """The entry point of a measurement whose module is also its own child processes: the
     references that stand for tfps's own processes (the limits, the ceiling), so they run
     under the same scheduling policy and malloc settings as a tfps process
-    (runtime/process.py, runtime/malloc.py): the children as a worker, the orchestrator (the
+    (runtime/process.py's `tune_process`): the children as a worker, the orchestrator (the
     limits' answering process) as a PS, in one arena. Each also takes what it made before its
     timed steps out of the garbage collector's sight, as tfps's processes do
     (`freeze_startup_objects`)."""
-    from tfps.runtime.malloc import keep_large_buffers
-    from tfps.runtime.process import use_batch_scheduling
+    from tfps.runtime.process import tune_process
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    use_batch_scheduling()
-    keep_large_buffers(one_arena=not args.child)
+    tune_process(one_arena=not args.child)
     if args.child:
         child(args)
     else:

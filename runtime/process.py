@@ -178,6 +178,16 @@ def use_batch_scheduling() -> str:
     return "batch"
 
 
+def tune_process(one_arena: bool = False) -> str:
+    """The scheduling and malloc settings of a training process, set before any thread starts
+    (each inherits them): SCHED_BATCH (`use_batch_scheduling`, whose answer it returns) and large
+    buffers kept in the heap, in one arena with `one_arena` (runtime/malloc.py). tfps's PS and
+    workers take them, and so do the benchmark's references that stand for them."""
+    policy = use_batch_scheduling()
+    keep_large_buffers(one_arena)
+    return policy
+
+
 def freeze_startup_objects() -> None:
     """Take everything alive now (imports, the model, TensorFlow's ~300k objects) out of the
     garbage collector's sight: it lives as long as the process, and each full collection
@@ -194,8 +204,7 @@ def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
 def start_pod_process(command: str, security_from_env: Callable[[bool], Any], tensorflow: bool = True,
                       one_arena: bool = False) -> "tuple[ProcessConfig, Any] | None":
     """The pod's config and its security (`security_from_env(tls)`), with logging set up to name
-    the job and replica, its threads under SCHED_BATCH (`use_batch_scheduling`), large buffers
-    kept in the heap (in one arena with `one_arena`: runtime/malloc.py) and its CPUs logged
+    the job and replica, its scheduling and malloc settings (`tune_process`) and its CPUs logged
     (with `tensorflow`, TensorFlow's threads sized to them); None, with the reason logged or on
     stderr, when the environment holds no usable config (the caller exits 2). Security comes
     first: a process that cannot check who it talks to must not start at all."""
@@ -207,8 +216,7 @@ def start_pod_process(command: str, security_from_env: Callable[[bool], Any], te
         print(f"tfps {command}: {err}", file=sys.stderr)
         return None
     setup_logging(cfg.job, f"{command}-{cfg.cluster.task_index}")
-    policy = use_batch_scheduling()  # before any thread starts: each inherits it
-    keep_large_buffers(one_arena)
+    policy = tune_process(one_arena)
     try:
         security = security_from_env(cfg.training.tls)
     except SecurityError as err:
