@@ -90,7 +90,8 @@ def measure_anchor(shape: EmbeddingShape, optimizer: str, learning_rate: float, 
 def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool,
                  repeat: int = 0) -> tuple[dict, list[str]]:
     """One repeat of one embedding shape: per optimizer the limit with that optimizer's update (a
-    reference) and TF's strategy; then tfps async, SGD and Adam, right between two measurements
+    reference; then the same over one answering process per PS) and TF's strategy; the limit over
+    one answering process per PS; then tfps async, SGD and Adam, right between two measurements
     of the bytes-inclusive limit (Repeat.bracket), in turn first on even and odd repeats; with
     `checkpoints`, tfps async Adam once more while checkpoints are written (about three in the
     run), for its longest step."""
@@ -101,8 +102,10 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
     for optimizer in OPTIMIZERS:
         rep.row[f"state_{optimizer}:shard"] = shard_state_bytes(shape, optimizer)
         learning_rates[optimizer] = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
-        rep.attempt(f"limit_update_{optimizer}", partial(limit.run, shape, cfg, "async", optimizer, learning_rates[optimizer]),
-                    ("bytes_per_step", *CPU_FIGURES))
+        for sharded in (False, True):
+            key = f"limit_update_{optimizer}" + ("_sharded" if sharded else "")
+            rep.attempt(key, partial(limit.run, shape, cfg, "async", optimizer, learning_rates[optimizer], sharded=sharded),
+                        ("bytes_per_step", *CPU_FIGURES))
         rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, learning_rates[optimizer], cfg), ("ps_peak_rss",))
 
     def tfps(optimizer: str) -> tuple[float, partial]:
@@ -119,6 +122,7 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
             if rep.row.get(key):
                 hints[key] = rep.row[key]
 
+    rep.attempt("limit_sharded", partial(limit.run, shape, cfg, sharded=True), ("bytes_per_step", *CPU_FIGURES))
     rep.bracket("limit", lambda: limit.run(shape, cfg), ("bytes_per_step", *CPU_FIGURES), tfps_runs)
     if checkpoints:
         examples, run = tfps("adam")

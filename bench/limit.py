@@ -26,13 +26,22 @@ push then also carries the row ids, those of the rows its gradients are for and 
 rows it asks back (`_RowsLayout`), and the answering process holds the whole tables and their
 slots, updates only the touched rows with the PS's row kernels (lazily, as the PS does) and
 sends back the rows asked for, taken from the tables.
+
+With `--answerers N` the bytes go to N answering processes, split as tfps's placement splits a
+model over N PS (runtime/sharding.py): each holds its parts and answers for them, and a worker
+exchanges with all N each step, as a tfps worker with each PS. That is the topology of a job
+with N PS, with nothing of a PS's own cost in it; `--answerers 1` (the default) is the limit
+the goals compare with. A table's rows (or a dense variable) split over several answerers are
+joined on the worker with one copy, where a tfps worker receives them in place.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -41,7 +50,7 @@ import numpy as np
 
 from tfps.runtime.wire import ALIGN
 
-from .procs import LOOPBACK, child_or_orchestrator, module_cmd, run_json, run_together, size_tf_threads, timed_window
+from .procs import LOOPBACK, child_env, child_or_orchestrator, last_json_line, module_cmd, run_json, run_together, size_tf_threads, timed_window
 
 MODULE = "tfps.bench.limit"
 STARTUP_S = 150.0  # allowance for starting the processes on a busy machine
@@ -291,9 +300,74 @@ class Exchange:
         return buf
 
 
-def child(args: argparse.Namespace) -> None:
-    import numpy as np
+class Shards:
+    """A model's parameters over `n` answering processes as tfps's placement puts them on n PS
+    (runtime/sharding.py's `place`): per answerer its dense parts and its table parts, each in
+    the model's order (with one answerer: the model's parameters, in its order). Pure: it says
+    what goes to and comes from each answerer."""
 
+    def __init__(self, params: list, n: int):
+        from tfps.runtime.sharding import place
+
+        self.n, self.plan = n, place(params, n)
+        order = {p.name: i for i, p in enumerate(params)}
+        mine = [sorted(self.plan.for_ps(k), key=lambda q: (order[q.var], q.start)) for k in range(n)]
+        self.dense = [[q for q in parts if not q.sparse] for parts in mine]
+        self.tables = [[q for q in parts if q.sparse] for parts in mine]
+        # parameters split over several answerers (their rows joined on arrival), and their row shape
+        self.joined = {p.name: tuple(p.shape[1:]) for p in params if len(self.plan.parts_of(p.name)) > 1}
+
+    def answerer(self, k: int) -> tuple[int, list[tuple[int, ...]]]:
+        """Answerer `k`'s dense elements as pushed and pulled (`padded`) and its table parts' shapes."""
+        return aligned_offsets([q.size for q in self.dense[k]])[1], [q.shape for q in self.tables[k]]
+
+    def routes(self, table: str, ids: np.ndarray) -> dict:
+        """Per part of `table`: where its rows are among a batch's sorted distinct `ids`, and its local rows."""
+        from tfps.runtime.sharding import route_rows
+
+        if self.n == 1:
+            return {table: (range(len(ids)), ids)}
+        return {part.name: (positions, local) for part, positions, local in route_rows(self.plan.parts_of(table), ids)}
+
+    def pushes(self, grads: dict[str, np.ndarray], routes: dict) -> list[list[np.ndarray]]:
+        """Per answerer: its dense parts' gradients (`padded`), then its table parts' rows' (`routes`: per table, `routes()`)."""
+        out = []
+        for k in range(self.n):
+            dense = [grads[q.var][q.start:q.stop] if q.var in self.joined else grads[q.var] for q in self.dense[k]]
+            out.append(padded(dense) + [grads[q.var][_span(routes, q)] for q in self.tables[k]])
+        return out
+
+    def ids(self, k: int, routes: dict | None) -> list:
+        """Answerer `k`'s local rows of each of its table parts in `routes` (none without)."""
+        return [_route(routes, q)[1] if routes is not None else [] for q in self.tables[k]]
+
+    def pull(self, k: int, routes: dict) -> list[tuple[object, tuple[int, ...], int, int]]:
+        """What answerer `k` sends back for a batch's `routes`: (part, shape, offset, elements) of
+        each piece, and, last, the elements of the whole."""
+        shapes = [q.shape for q in self.dense[k]] + [(len(_route(routes, q)[0]), *q.shape[1:]) for q in self.tables[k]]
+        sizes = [math.prod(shape) for shape in shapes]
+        offsets, size = aligned_offsets(sizes)
+        return [*zip([*self.dense[k], *self.tables[k]], shapes, offsets, sizes, strict=True), size]
+
+    def join(self, received: list[np.ndarray], pulls: list[list]) -> dict[str, np.ndarray]:
+        """Every parameter (a table: the rows asked for) from each answerer's float32 reply."""
+        from tfps.runtime.wire import aligned_array
+
+        params, split = {}, {}
+        for buf, (*pieces, _) in zip(received, pulls, strict=True):
+            for q, shape, a, n in pieces:
+                if q.var not in self.joined:
+                    params[q.var] = buf[a:a + n].reshape(shape)
+                elif n:
+                    split.setdefault(q.var, []).append((q.start, buf[a:a + n].reshape(shape)))
+        for name, row in self.joined.items():
+            parts = [arr for _, arr in sorted(split.get(name, ()), key=lambda item: item[0])]
+            whole = aligned_array((sum(len(arr) for arr in parts), *row), np.float32)
+            params[name] = np.concatenate(parts, out=whole) if parts else whole
+        return params
+
+
+def child(args: argparse.Namespace) -> None:
     from tfps.runtime.models import BatchSource, load_model
     from tfps.runtime.process import freeze_startup_objects
     from tfps.runtime.sharding import batch_ids
@@ -305,10 +379,11 @@ def child(args: argparse.Namespace) -> None:
     train, _ = model.data()
     batches = BatchSource(train, args.seed, args.batch, args.index, args.workers)
     grad_fn = make_grad_fn(model)
-    dense = [p for p in model.params if not p.sparse]
+    shards = Shards(model.params, len(args.port.split(",")))
     tables = model.sparse_params
-    layout = _RowsLayout(padded_dense_size(dense), [t.shape[1] for t in tables]) if tables and args.update != "none" else None
-    exchange = Exchange(args.port)
+    layouts = ([_RowsLayout(shards.answerer(k)[0], [q.shape[1] for q in shards.tables[k]]) for k in range(shards.n)]
+               if tables and args.update != "none" else None)
+    exchanges = [Exchange(int(port)) for port in args.port.split(",")]
     state = {"step": 0}
     freeze_startup_objects()
 
@@ -318,63 +393,101 @@ def child(args: argparse.Namespace) -> None:
         uniq = {}
         for feature in {t.feature for t in tables}:
             uniq[feature], out[feature] = batch_ids(x[feature])  # as a tfps worker
-        return out, y, uniq
+        return out, y, {t.name: shards.routes(t.name, uniq[t.feature]) for t in tables}
 
-    def request(push: list, uniq: dict, pushed: dict | None = None):
-        """Send `push` (`pushed`: the ids of the rows whose gradients it holds), asking back the
-        parameters and the rows `uniq`; returns the call that receives them, as views of the
-        received bytes."""
-        shapes = [(p.name, p.shape) for p in dense] + [(t.name, (len(uniq[t.feature]), *t.shape[1:])) for t in tables]
-        sizes = [int(np.prod(s)) for _, s in shapes]
-        offsets, size = aligned_offsets(sizes)
-        if layout is not None:
-            push = layout.push(push, [pushed[t.feature] if push else [] for t in tables], [uniq[t.feature] for t in tables])
-        exchange.send(push, 4 * size)
+    def request(push: list[list], routes: dict, pushed: dict | None = None):
+        """Send each answerer its `push` (`pushed`: the routes of the rows whose gradients it
+        holds), asking back its parameters and its rows of `routes`; returns the call that
+        receives them, as tensors of the received bytes (joined where parts came from several)."""
+        pulls = [shards.pull(k, routes) for k in range(shards.n)]
+        for k, exchange in enumerate(exchanges):
+            out = push[k]
+            if layouts is not None:
+                out = layouts[k].push(out, shards.ids(k, pushed if out else None), shards.ids(k, routes))
+            exchange.send(out, 4 * pulls[k][-1])
 
         def receive() -> dict:
-            buf = exchange.receive(4 * size).view(np.float32)
-            return {name: as_tensor(buf[a:a + n].reshape(shape)) for (name, shape), a, n in zip(shapes, offsets, sizes, strict=True)}
+            received = [exchange.receive(4 * pull[-1]).view(np.float32) for exchange, pull in zip(exchanges, pulls, strict=True)]
+            return {name: as_tensor(arr) for name, arr in shards.join(received, pulls).items()}
 
         return receive
 
-    def gradients(params: dict, x: dict, y) -> list:
+    def gradients(params: dict, x: dict, y, routes: dict) -> list[list]:
         _, grads = grad_fn(params, {k: as_tensor(v) for k, v in x.items()}, as_tensor(y))
-        return padded([np.asarray(grads[p.name]) for p in dense]) + [np.asarray(grads[t.name]) for t in tables]
+        return shards.pushes({name: np.asarray(g) for name, g in grads.items()}, routes)
 
-    # (x, y, uniq) of the batches ahead, the one computed next first
+    # (x, y, routes) of the batches ahead, the one computed next first
     ahead = [unique_ids(0)]
-    params = request([], ahead[0][2])()
+    nothing = [[] for _ in exchanges]
+    params = request(nothing, ahead[0][2])()
     in_flight = None
 
     def waiting_step() -> None:
         nonlocal params
-        x, y, uniq = ahead[0]
-        push = gradients(params, x, y)
+        x, y, routes = ahead[0]
+        push = gradients(params, x, y, routes)
         state["step"] += 1
         ahead[0] = unique_ids(state["step"])  # the rows the next batch needs ride along, as in tfps
-        params = request(push, ahead[0][2], uniq)()
+        params = request(push, ahead[0][2], routes)()
 
     def pipelined_step() -> None:
         """As tfps's async workers: push k goes out once step k is computed and the reply to push
         k-1 is read (step k+1's parameters and rows), and asks for the rows of batch k+2."""
         nonlocal params, in_flight
-        x, y, uniq = ahead[0]
-        push = gradients(params, x, y)
+        x, y, routes = ahead[0]
+        push = gradients(params, x, y, routes)
         params = in_flight()
         state["step"] += 1
         ahead[:] = [ahead[1], unique_ids(state["step"] + 1)]
-        in_flight = request(push, ahead[1][2], uniq)
+        in_flight = request(push, ahead[1][2], routes)
 
     step = waiting_step
     if args.update == "async":  # the first two batches' rows are pulled before
         ahead.append(unique_ids(1))
-        in_flight, step = request([], ahead[1][2]), pipelined_step
+        in_flight, step = request(nothing, ahead[1][2]), pipelined_step
 
-    moved_before = exchange.moved
+    moved_before = sum(e.moved for e in exchanges)
     steps, elapsed, cpu = timed_window(step, args.warmup_seconds, args.seconds)
-    per_step = (exchange.moved - moved_before) / max(1, state["step"])
+    per_step = (sum(e.moved for e in exchanges) - moved_before) / max(1, state["step"])
     print(json.dumps({"steps": steps, "seconds": elapsed, "cpu_seconds": cpu, "examples_per_second": steps * args.batch / elapsed,
                       "bytes_per_step": per_step, "threads": threads}), flush=True)
+
+
+_NO_ROWS = (range(0), [])
+
+
+def _route(routes: dict, part) -> tuple[range, object]:
+    """A table part's (positions among a batch's ids, local rows) in `routes` (Shards.routes' per table)."""
+    return routes[part.var].get(part.name, _NO_ROWS)
+
+
+def _span(routes: dict, part) -> slice:
+    positions = _route(routes, part)[0]
+    return slice(positions.start, positions.stop)
+
+
+def _answer_main(args: argparse.Namespace, shards: Shards, k: int) -> tuple[Answerer, socket.socket]:
+    """Answering process `k`'s state and listener, serving."""
+    dense_size, tables = shards.answerer(k)
+    answerer = Answerer(args.update, args.learning_rate, args.optimizer, dense_size, tables)
+    listener = socket.create_server((LOOPBACK, 0))
+    threading.Thread(target=serve, args=(listener, answerer), daemon=True).start()
+    return answerer, listener
+
+
+def answer(args: argparse.Namespace) -> dict:
+    """Answering process `args.answer` of several: says its port, answers until its stdin closes
+    (the measurement is over), then reports the CPU its answering threads used."""
+    from tfps.runtime.models import load_model
+    from tfps.runtime.process import freeze_startup_objects
+
+    model = load_model(args.model, json.loads(args.model_args), args.seed)
+    answerer, listener = _answer_main(args, Shards(model.params, args.answerers), args.answer)
+    freeze_startup_objects()
+    print(json.dumps({"port": listener.getsockname()[1]}), flush=True)
+    sys.stdin.read()
+    cpu, requests = answerer.cpu_used()
+    return {"cpu_seconds": cpu, "requests": requests}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -382,42 +495,65 @@ def measure(args: argparse.Namespace) -> dict:
     from tfps.runtime.process import freeze_startup_objects
 
     model = load_model(args.model, json.loads(args.model_args), args.seed)
-    tables = [t.shape for t in model.sparse_params]
+    tables = model.sparse_params
     if tables and args.update == "sync":
         raise SystemExit("--update sync takes a dense model: a model with embedding tables takes --update async")
-    answerer = Answerer(args.update, args.learning_rate, args.optimizer, padded_dense_size(model.params), tables)
+    if args.update == "sync" and args.answerers > 1:
+        raise SystemExit("--update sync takes one answering process")
+    answerer, listener = _answer_main(args, Shards(model.params, args.answerers), 0)
     freeze_startup_objects()
-    listener = socket.create_server((LOOPBACK, 0))
-    threading.Thread(target=serve, args=(listener, answerer), daemon=True).start()
-    base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
-            "--workers", str(args.workers), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
-            "--seed", str(args.seed), "--port", str(listener.getsockname()[1]), "--processes", str(args.processes),
-            "--update", args.update]
-    results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
-    answering_cpu, requests = answerer.cpu_used()
+    # the other answering processes, each its own process as each PS is
+    common = ["--model", args.model, "--model-args", args.model_args, "--seed", str(args.seed), "--update", args.update,
+              "--optimizer", args.optimizer, "--learning-rate", str(args.learning_rate), "--answerers", str(args.answerers)]
+    others = [subprocess.Popen(module_cmd(MODULE, *common, "--answer", str(k)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               env=child_env(), text=True) for k in range(1, args.answerers)]
+    try:
+        ports = [listener.getsockname()[1], *(json.loads(proc.stdout.readline())["port"] for proc in others)]
+        base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
+                "--workers", str(args.workers), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
+                "--seed", str(args.seed), "--port", ",".join(map(str, ports)), "--processes", str(args.processes),
+                "--update", args.update]
+        results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
+        answering_cpu, requests = answerer.cpu_used()
+        for proc in others:
+            out = last_json_line(proc.communicate("", timeout=30)[0])
+            answering_cpu += out["cpu_seconds"]
+    finally:
+        for proc in others:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     steps = sum(r["steps"] for r in results)
+    system = "limit" if args.update == "none" else f"limit_update_{args.optimizer if tables else args.update}"
     return {
-        "system": "limit" if args.update == "none" else f"limit_update_{args.optimizer if tables else args.update}",
+        "system": system if args.answerers == 1 else f"{system}_sharded",
         "examples_per_second": sum(r["examples_per_second"] for r in results),
         "per_worker": [r["examples_per_second"] for r in results],
         "bytes_per_step": sum(r["bytes_per_step"] for r in results) / len(results),
         "seconds": max(r["seconds"] for r in results),
         "workers": args.workers,
+        "answerers": args.answerers,
         "threads": results[0]["threads"],
         "worker_cpu_ms_per_step": 1000.0 * sum(r["cpu_seconds"] for r in results) / steps if steps else None,
-        # each worker step is one request
+        # each worker step is one request to each answering process: per worker step, all of them together
         "ps_cpu_ms_per_step": 1000.0 * answering_cpu / requests if requests else None,
     }
 
 
-def run(shape, cfg: dict, update: str = "none", optimizer: str = "sgd", learning_rate: float | None = None) -> dict:
+def run(shape, cfg: dict, update: str = "none", optimizer: str = "sgd", learning_rate: float | None = None,
+        sharded: bool = False) -> dict:
     """Measure the limit for a benchmark shape (bench/mlp.py's or bench/embedding.py's); with
-    `update`, the limit with the optimizer's update (`optimizer`'s: embedding shapes, async)."""
+    `update`, the limit with the optimizer's update (`optimizer`'s: embedding shapes, async); with
+    `sharded`, over as many answering processes as the shape has PS."""
     lr = cfg["learning_rate"] if learning_rate is None else learning_rate
+    answerers = shape.ps if sharded else 1
     cmd = module_cmd(MODULE, "--model", shape.model, "--model-args", json.dumps(shape.model_args), "--batch", str(shape.batch),
                      "--workers", str(shape.workers), "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
-                     "--processes", str(shape.workers + shape.ps), "--update", update, "--optimizer", optimizer, "--learning-rate", str(lr))
+                     "--processes", str(shape.workers + shape.ps), "--update", update, "--optimizer", optimizer, "--learning-rate", str(lr),
+                     "--answerers", str(answerers))
     what = "limit" if update == "none" else f"limit with the {update} {optimizer} update"
+    if sharded:
+        what += f" over {answerers} answering processes"
     return run_json(cmd, STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"]), f"{what} ({shape.name})")
 
 
@@ -437,10 +573,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
                         help="of that update: sgd, or adam for a model with embedding tables (lazy on their rows, as the PS's)")
     parser.add_argument("--learning-rate", type=float, default=0.01, help="of that update")
+    parser.add_argument("--answerers", type=int, default=1,
+                        help="answering processes, the model split over them as tfps splits it over that many PS (async or none)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    return child_or_orchestrator(parser.parse_args(argv), child, measure)
+    parser.add_argument("--port", default="0", help=argparse.SUPPRESS)  # the answering processes', comma-separated
+    parser.add_argument("--answer", type=int, default=None, help=argparse.SUPPRESS)  # this process answers as that one
+    args = parser.parse_args(argv)
+    if args.answerers < 1:
+        parser.error("--answerers must be at least 1")
+    return child_or_orchestrator(args, child, answer if args.answer is not None else measure)
 
 
 if __name__ == "__main__":

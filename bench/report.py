@@ -34,10 +34,13 @@ LEGEND = (
 )
 EMBEDDING_SYSTEMS: dict[str, str] = {
     "limit": "bytes-inclusive limit",  # of the touched rows' bytes (EMBEDDING_LEGEND)
+    "limit_sharded": "limit, sharded as the PS",
     "limit_update_sgd": "limit + update, SGD",
+    "limit_update_sgd_sharded": "limit + update, SGD, sharded",
     "tf_pss_sgd": "TF strategy, SGD",
     "tfps_sgd": "tfps async, SGD",
     "limit_update_adam": "limit + update, Adam",
+    "limit_update_adam_sharded": "limit + update, Adam, sharded",
     "tf_pss_adam": "TF strategy, Adam",
     "tfps_adam": "tfps async, Adam",
     "tfps_adam_ckpt": "tfps async, Adam, checkpointing",
@@ -50,7 +53,9 @@ EMBEDDING_LEGEND = (
     "the answering process also holding the tables and applying each push with the PS's own kernels (the dense "
     "part, then only the touched rows: lazily for Adam) and sending back the rows asked for, taken from its tables; "
     "its push also carries the row ids, and its workers compute their next step while it updates, as tfps's async "
-    "workers do. PS state = the most loaded shard's parameters + optimizer slots. Checkpointing = about three "
+    "workers do. Sharded = the same over one answering process per PS, the model split over them as tfps "
+    "splits it over its PS, each worker exchanging with every one each step: the job's topology with no cost of "
+    "a PS's own. PS state = the most loaded shard's parameters + optimizer slots. Checkpointing = about three "
     "checkpoints of every shard written during the run."
 )
 
@@ -109,11 +114,16 @@ def _embedding_ratios(opt: str, name: str) -> tuple[RatioDef, ...]:
         # What the update itself costs, and tfps against a PS that has no other cost (no goals: references)
         RatioDef(f"{opt}_vs_limit_update", tfps, f"limit_update_{opt}", f"tfps {name} / limit + update, {name}", {}),
         RatioDef(f"limit_update_{opt}_vs_limit", f"limit_update_{opt}", "limit", f"limit + update, {name} / bytes-inclusive limit", {}),
+        # The same over as many answering processes as PS: what the job's topology alone reaches
+        RatioDef(f"{opt}_vs_limit_update_sharded", tfps, f"limit_update_{opt}_sharded", f"tfps {name} / limit + update, {name}, sharded", {}),
+        RatioDef(f"limit_update_{opt}_sharded_vs_limit", f"limit_update_{opt}_sharded", "limit",
+                 f"limit + update, {name}, sharded / bytes-inclusive limit", {}),
     )
 
 
 # The large-embedding shapes' goals, for each optimizer.
 EMBEDDING_RATIOS: tuple[RatioDef, ...] = (
+    RatioDef("limit_sharded_vs_limit", "limit_sharded", "limit", "limit, sharded as the PS / bytes-inclusive limit", {}),
     *_embedding_ratios("sgd", "SGD"),
     *_embedding_ratios("adam", "Adam"),
     RatioDef("checkpoint_stall", "tfps_adam_ckpt:longest_step", "tfps_adam:longest_step",

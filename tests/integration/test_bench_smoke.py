@@ -74,7 +74,8 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     for key in ("tfps_sgd:wire_bytes_per_step", "tfps_adam:ps_peak_rss", "tfps_adam:worker_peak_rss", "limit:bytes_per_step",
                 "tfps_adam_ckpt:longest_step", "tfps_adam_ckpt:p99_step", "state_adam:shard"):
         assert _numeric(emb["medians"][key]), key
-    _assert_cpu_measured(emb["medians"], ("limit", "limit_update_sgd", "limit_update_adam", "tfps_sgd", "tfps_adam"))
+    _assert_cpu_measured(emb["medians"], ("limit", "limit_sharded", "limit_update_sgd", "limit_update_adam", "limit_update_sgd_sharded",
+                                          "limit_update_adam_sharded", "tfps_sgd", "tfps_adam"))
     for shape in (*out["shapes"].values(), emb):  # the limit, measured on both sides of tfps's runs
         before, after = shape["medians"]["limit:before"], shape["medians"]["limit:after"]
         assert _numeric(before) and _numeric(after) and shape["medians"]["limit"] == pytest.approx((before + after) / 2)

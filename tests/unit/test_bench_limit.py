@@ -2,6 +2,7 @@
 what it sends back with no update, with the async update and with the sync update, and with the
 async update of a model's embedding tables (only the touched rows, the rows asked for back);
 and the process settings every reference's processes run with."""
+import math
 import os
 import socket
 import subprocess
@@ -144,6 +145,57 @@ def test_tables_async_adam_moves_only_the_pushed_rows_slots():
     table, slots = answerer.tables[0]
     assert np.all(slots["m"][4] != 0) and not np.any(np.delete(slots["m"], 4, axis=0))  # lazy: the other rows' moments stay
     assert np.all(np.delete(table, 4, axis=0) == np.float32(0.01))
+
+
+def _wide_deep_params():
+    from tfps.runtime.models import load_model
+
+    return load_model("wide-deep", {"vocabSize": 40, "fields": 2, "embeddingDim": 4, "denseDim": 3, "hidden": [5],
+                                    "testSamples": 0}).params
+
+
+def test_one_answerer_takes_the_model_whole_in_its_order():
+    params = _wide_deep_params()
+    shards = limit.Shards(params, 1)
+    assert [q.name for q in shards.dense[0]] == [p.name for p in params if not p.sparse]
+    assert [q.name for q in shards.tables[0]] == [p.name for p in params if p.sparse]
+    ids = np.array([3, 17, 39])
+    assert shards.ids(0, {t.name: shards.routes(t.name, ids) for t in shards.tables[0]}) == [ids] * len(shards.tables[0])
+
+
+def test_sharded_pushes_and_pulls_split_the_model_as_the_ps_placement_does_and_join_it_back():
+    from tfps.runtime.sharding import place
+
+    params = _wide_deep_params()
+    shards = limit.Shards(params, 2)
+    assert sorted((q.name, q.ps) for k in (0, 1) for q in shards.dense[k] + shards.tables[k]) == sorted(
+        (q.name, q.ps) for q in place(params, 2).parts)
+    tables = [p for p in params if p.sparse]
+    ids = np.array([1, 7, 22, 38])  # sorted distinct ids of a batch: rows 0..19 on answerer 0, 20..39 on answerer 1
+    routes = {t.name: shards.routes(t.name, ids) for t in tables}
+    assert [list(rows) for rows in shards.ids(0, routes)] == [[1, 7]] * len(tables)
+    assert [list(rows) for rows in shards.ids(1, routes)] == [[2, 18]] * len(tables)  # local to the part
+
+    grads = {p.name: np.arange(math.prod(p.shape[1:]) * (len(ids) if p.sparse else p.shape[0]), dtype=np.float32).reshape(
+        (len(ids), *p.shape[1:]) if p.sparse else p.shape) for p in params}
+    pushes = shards.pushes(grads, routes)
+    for k in (0, 1):
+        rows = pushes[k][-len(shards.tables[k]):]
+        assert all(np.array_equal(r, grads[q.var][2 * k:2 * k + 2]) for r, q in zip(rows, shards.tables[k], strict=True))
+
+    # each answerer's reply (its dense parts, then its rows asked for) joins into every parameter
+    pulls = [shards.pull(k, routes) for k in (0, 1)]
+    received = []
+    for k, (*pieces, size) in enumerate(pulls):
+        buf = np.zeros(size, np.float32)
+        for q, shape, at, n in pieces:
+            whole = grads[q.var]
+            buf[at:at + n] = (whole[2 * k:2 * k + 2] if q.sparse else whole).reshape(-1)
+        received.append(buf)
+    joined = shards.join(received, pulls)
+    assert set(joined) == {p.name for p in params}
+    for p in params:
+        assert np.array_equal(joined[p.name], grads[p.name]), p.name
 
 
 _SETTINGS = MALLINFO_PRELUDE + r"""
