@@ -188,7 +188,7 @@ def test_sharded_pushes_and_pulls_split_the_model_as_the_ps_placement_does_and_j
     received = []
     for k, (*pieces, size) in enumerate(pulls):
         buf = np.zeros(size, np.float32)
-        for q, shape, at, n in pieces:
+        for q, _, at, n in pieces:
             whole = grads[q.var]
             buf[at:at + n] = (whole[2 * k:2 * k + 2] if q.sparse else whole).reshape(-1)
         received.append(buf)
