@@ -73,11 +73,6 @@ def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def padded_dense_size(params: list) -> int:
-    """Elements of a model's dense part as pushed and pulled: each parameter `padded`."""
-    return aligned_offsets([p.size for p in params if not p.sparse])[1]
-
-
 def padded(arrays: list[np.ndarray]) -> list[np.ndarray]:
     """float32 `arrays` with zeros between them, each where `aligned_offsets` puts it."""
     out, end = [], 0
