@@ -244,8 +244,9 @@ def _recorded_repeat(monkeypatch, repeat: int, dense: bool) -> list[str]:
         order.append(name)
         return {"examples_per_second": 1000.0}
 
-    monkeypatch.setattr(limit, "run", lambda shape, cfg, update="none", optimizer="sgd", lr=None:
-                        record("limit" if update == "none" else f"limit_update_{optimizer if not dense else update}"))
+    monkeypatch.setattr(limit, "run", lambda shape, cfg, update="none", optimizer="sgd", lr=None, sharded=False:
+                        record(("limit" if update == "none" else f"limit_update_{optimizer if not dense else update}")
+                               + ("_sharded" if sharded else "")))
     monkeypatch.setattr(tfps_side, "measure", lambda shape, mode, *a, wire_dtype="float32", optimizer="sgd", every_steps=None:
                         record(tfps_side.system_key(mode, wire_dtype) if dense else
                                f"tfps_{optimizer}" + ("_ckpt" if every_steps else "")))
@@ -265,6 +266,10 @@ def test_tfps_runs_between_two_limits_and_they_take_turns_at_going_first(monkeyp
     refs = ["limit_update_async", "limit_update_sync", "ceiling", "anchor_tf_pss"]
     assert _recorded_repeat(monkeypatch, 0, dense=True) == [*refs, "limit", "tfps_async", "tfps_sync", "tfps_async_bf16", "limit"]
     assert _recorded_repeat(monkeypatch, 1, dense=True) == [*refs, "limit", "tfps_async_bf16", "tfps_sync", "tfps_async", "limit"]
-    refs = ["limit_update_sgd", "tf_pss_sgd", "limit_update_adam", "tf_pss_adam"]
+    # the limit + update and its sharded twin take turns at going first too
+    refs = ["limit_update_sgd", "limit_update_sgd_sharded", "tf_pss_sgd", "limit_update_adam", "limit_update_adam_sharded", "tf_pss_adam",
+            "limit_sharded"]
     assert _recorded_repeat(monkeypatch, 0, dense=False) == [*refs, "limit", "tfps_sgd", "tfps_adam", "limit", "tfps_adam_ckpt"]
+    refs = ["limit_update_sgd_sharded", "limit_update_sgd", "tf_pss_sgd", "limit_update_adam_sharded", "limit_update_adam", "tf_pss_adam",
+            "limit_sharded"]
     assert _recorded_repeat(monkeypatch, 1, dense=False) == [*refs, "limit", "tfps_adam", "tfps_sgd", "limit", "tfps_adam_ckpt"]
