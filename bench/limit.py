@@ -48,7 +48,8 @@ import time
 
 import numpy as np
 
-from tfps.runtime.wire import ALIGN
+from tfps.runtime.sharding import place, route_rows
+from tfps.runtime.wire import ALIGN, aligned_array
 
 from .procs import LOOPBACK, child_env, child_or_orchestrator, last_json_line, module_cmd, run_json, run_together, size_tf_threads, timed_window
 
@@ -302,8 +303,6 @@ class Shards:
     what goes to and comes from each answerer."""
 
     def __init__(self, params: list, n: int):
-        from tfps.runtime.sharding import place
-
         self.n, self.plan = n, place(params, n)
         order = {p.name: i for i, p in enumerate(params)}
         mine = [sorted(self.plan.for_ps(k), key=lambda q: (order[q.var], q.start)) for k in range(n)]
@@ -318,8 +317,6 @@ class Shards:
 
     def routes(self, table: str, ids: np.ndarray) -> dict:
         """Per part of `table`: where its rows are among a batch's sorted distinct `ids`, and its local rows."""
-        from tfps.runtime.sharding import route_rows
-
         if self.n == 1:
             return {table: (range(len(ids)), ids)}
         return {part.name: (positions, local) for part, positions, local in route_rows(self.plan.parts_of(table), ids)}
@@ -346,8 +343,6 @@ class Shards:
 
     def join(self, received: list[np.ndarray], pulls: list[list]) -> dict[str, np.ndarray]:
         """Every parameter (a table: the rows asked for) from each answerer's float32 reply."""
-        from tfps.runtime.wire import aligned_array
-
         params, split = {}, {}
         for buf, (*pieces, _) in zip(received, pulls, strict=True):
             for q, shape, a, n in pieces:
