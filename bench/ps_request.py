@@ -1,0 +1,201 @@
+"""The CPU of one PS request, in one process: tfps's PS against the reference's answering process.
+
+`python -m tfps.bench.ps_request --shape 2M --optimizer adam`
+
+A large-embedding job's examples/s on a 2-core machine follows the CPU each worker step costs
+all processes together, and a full run's figures drift by tens of percent within minutes. This
+measures one part of that cost without sockets, other processes or drift: for each PS of the
+shape, the same pushes (the ids of real batches of the shape's data, the rows the next batch
+asks for back, random gradients) go as tfps's Step requests to a `Shard` (runtime/ps.py, as the
+PS's data path hands them over) and as the sharded reference's pushes to an answering process
+(bench/limit.py's `Answerer`, the limit + update over as many answering processes as the shape
+has PS). Both apply the same updates with the same C kernels; what differs is what each does
+around them (decoding and checking a request, bookkeeping, metrics, the reply). They take turns
+in blocks of `--requests`, `--repeats` times; it prints the median CPU microseconds a request,
+per PS, and their ratio, and checks that both sides ended with the same parameters.
+
+The requests are answered one after another, so their rows are warm in the caches, as in no
+real job (whose other processes evict them between requests): the figures are each side's own
+instructions, the floor of what a request costs live, not that cost.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from tfps.runtime import wire
+from tfps.runtime.sharding import batch_ids, route_rows
+
+from .embedding import ADAM_LEARNING_RATE, OPTIMIZERS, QUICK_SHAPE, SHAPES, EmbeddingShape, load
+from .limit import Answerer, Shards, _RowsLayout, padded
+
+MODULE = "tfps.bench.ps_request"
+GRADIENT_SCALE = 1e-3  # small enough that no update takes a parameter anywhere unusual
+DISTINCT_STEPS = 64  # distinct pushes cycled through (each an aligned copy, as a received request is)
+
+
+class Pushes:
+    """The same pushes for one PS, as tfps's Step requests and as the reference's bytes.
+
+    Step `s` is worker `s % workers`' batch `s // workers`: its gradients (every dense
+    variable's, and one row per distinct id of each table) and the rows of the worker's next
+    batch asked for back, split by tfps's placement as a tfps worker splits them
+    (runtime/worker.py) and as the reference's workers do (bench/limit.py's `Shards`)."""
+
+    def __init__(self, shape: EmbeddingShape, ps: int, steps: int = DISTINCT_STEPS, seed: int = 0):
+        from tfps.runtime.models import BatchSource
+
+        self.model = load(shape, seed)
+        self.shards = Shards(self.model.params, shape.ps)
+        self.ps = ps
+        dense_size, tables = self.shards.answerer(ps)
+        self.layout = _RowsLayout(dense_size, [width for _, width in tables])
+        train, _ = self.model.data()
+        sources = [BatchSource(train, seed, shape.batch, w, shape.workers) for w in range(shape.workers)]
+        rng = np.random.default_rng(seed)
+        self.tfps: list[memoryview] = []
+        self.reference: list[memoryview] = []
+        for step in range(steps):
+            worker, batch = step % shape.workers, step // shape.workers
+            ids, ahead = (self._distinct(sources[worker](b)[0]) for b in (batch, batch + 1))
+            grads = {p.name: (rng.standard_normal((len(ids[p.name]), *p.shape[1:]) if p.sparse else p.shape) * GRADIENT_SCALE)
+                     .astype(np.float32) for p in self.model.params}
+            # no sequence number: the pushes are cycled through, and a PS applies a numbered push once
+            meta = {"worker": worker, "workers": shape.workers, "tag": step, "pull": True, "batch": shape.batch, "loss": 0.5}
+            self.tfps.append(_received(wire.encode(meta, self._step_tensors(grads, ids, ahead))))
+            routes, routes_ahead = ({t: self.shards.routes(t, rows) for t, rows in d.items()} for d in (ids, ahead))
+            push = self.layout.push(self.shards.pushes(grads, routes)[ps], self.shards.ids(ps, routes), self.shards.ids(ps, routes_ahead))
+            self.reference.append(_received(b"".join(np.ascontiguousarray(a).tobytes() for a in push)))
+
+    def _distinct(self, x: dict) -> dict[str, np.ndarray]:
+        """Per table, the batch's distinct ids (tfps's `batch_ids`, as both sides' workers number them)."""
+        return {p.name: batch_ids(x[p.feature])[0] for p in self.model.sparse_params}
+
+    def _step_tensors(self, grads: dict, ids: dict, ahead: dict) -> dict[str, np.ndarray]:
+        """This PS's tensors of a worker's Step, in a worker's order: dense gradients, each
+        table part's pushed rows (indices, then values), the rows asked for."""
+        plan, out = self.shards.plan, {}
+        for p in self.model.params:
+            parts = plan.parts_of(p.name)
+            for part in parts if not p.sparse else ():
+                if part.ps == self.ps:
+                    out[part.name] = grads[p.name] if len(parts) == 1 else grads[p.name][part.start:part.stop]
+        for table, rows in ids.items():
+            for part, positions, local in route_rows(plan.parts_of(table), rows):
+                if part.ps == self.ps:
+                    out[f"{part.name}:indices"] = local
+                    out[f"{part.name}:values"] = grads[table][positions.start:positions.stop]
+        for table, rows in ahead.items():
+            for part, _, local in route_rows(plan.parts_of(table), rows):
+                if part.ps == self.ps:
+                    out[f"{part.name}:rows"] = local
+        return out
+
+
+def _received(data: bytes) -> memoryview:
+    """`data` in an aligned buffer of its own, as a PS receives a request (runtime/datapath.py)."""
+    buf = wire.aligned_empty(len(data))
+    buf[:] = np.frombuffer(data, np.uint8)
+    return memoryview(buf)
+
+
+class Sides:
+    """PS `pushes.ps` twice, from the same initial parameters: tfps's `Shard` and the reference's
+    `Answerer` (bench/limit.py, its dense parts as one padded vector, its tables whole)."""
+
+    def __init__(self, shape: EmbeddingShape, pushes: Pushes, optimizer: str, learning_rate: float):
+        from tfps.api.spec import TrainingSpec
+        from tfps.runtime.metrics import Identity, PSMetrics
+        from tfps.runtime.ps import Shard
+
+        training = TrainingSpec.model_validate({
+            "model": shape.model, "modelArgs": shape.model_args, "optimizer": {"name": optimizer, "learningRate": learning_rate},
+            "batchSize": shape.batch, "steps": 1 << 40, "consistency": {"mode": "async"}})
+        params, k = pushes.model.params, pushes.ps
+        self.shards, self.k = pushes.shards, k
+        self.shard = Shard(list(self.shards.plan.for_ps(k)), {p.name: p for p in params}, training, shape.workers, k,
+                           PSMetrics(Identity("ps-request", "bench", "ps", k)), num_ps=shape.ps)
+        dense_size, tables = self.shards.answerer(k)
+        self.answerer = Answerer("async", learning_rate, optimizer, dense_size, tables)
+        self.answerer.params = self._reference_dense(self.shard.vars)
+        for (table, slots), part in zip(self.answerer.tables, self.shards.tables[k], strict=True):
+            table[...] = self.shard.vars[part.name]
+            for name, slot in slots.items():
+                slot[...] = self.shard.slots[part.name][name]
+
+    def _reference_dense(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """This PS's dense parts (`arrays`, by part name) as the reference holds them: one padded vector."""
+        return np.concatenate(padded([np.asarray(arrays[q.name], np.float32).reshape(-1) for q in self.shards.dense[self.k]]))
+
+    def tfps(self, request: memoryview) -> None:
+        self.shard.step(request, encoding="pieces")
+
+    def reference(self, request: memoryview) -> None:
+        self.answerer._answer_rows(request)
+
+    def differences(self) -> list[str]:
+        """The parameters and slots that differ between the two sides (none: both applied the same updates alike)."""
+        out = [] if np.array_equal(self._reference_dense(self.shard.vars), self.answerer.params) else ["dense"]
+        for name, slot in self.answerer.slots.items():
+            if not np.array_equal(self._reference_dense({q.name: self.shard.slots[q.name][name] for q in self.shards.dense[self.k]}), slot):
+                out.append(f"dense:{name}")
+        for (table, slots), part in zip(self.answerer.tables, self.shards.tables[self.k], strict=True):
+            if not np.array_equal(table, self.shard.vars[part.name]):
+                out.append(part.name)
+            out += [f"{part.name}:{name}" for name, slot in slots.items() if not np.array_equal(slot, self.shard.slots[part.name][name])]
+        return out
+
+
+def cpu_per_request(side, requests: list[memoryview], count: int) -> float:
+    """CPU microseconds a request of `side`, over `count` requests cycling through `requests`."""
+    start = time.thread_time()
+    for i in range(count):
+        side(requests[i % len(requests)])
+    return (time.thread_time() - start) / count * 1e6
+
+
+def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats: int, seed: int = 0) -> dict:
+    learning_rate = ADAM_LEARNING_RATE if optimizer == "adam" else 0.01
+    pushes = Pushes(shape, ps, seed=seed)
+    sides = Sides(shape, pushes, optimizer, learning_rate)
+    for request, push in zip(pushes.tfps, pushes.reference, strict=True):  # the same pushes, one each, in the same order
+        sides.tfps(request)
+        sides.reference(push)
+    differ = sides.differences()
+    figures: dict[str, list[float]] = {"tfps": [], "reference": []}
+    for repeat in range(repeats):  # each goes first in turn
+        order = ("tfps", "reference") if repeat % 2 == 0 else ("reference", "tfps")
+        for name in order:
+            figures[name].append(cpu_per_request(getattr(sides, name), getattr(pushes, name), count))
+    tfps, reference = (statistics.median(figures[name]) for name in ("tfps", "reference"))
+    return {"shape": shape.name, "optimizer": optimizer, "ps": ps, "requests": count, "tfps_us": tfps, "reference_us": reference,
+            "ratio": tfps / reference, "tfps_repeats": figures["tfps"], "reference_repeats": figures["reference"],
+            "request_bytes": len(pushes.tfps[0]), "reference_bytes": len(pushes.reference[0]), "differences": differ}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=[*SHAPES, QUICK_SHAPE.name], default="2M")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    parser.add_argument("--ps", type=int, nargs="*", help="which PS (default: each)")
+    parser.add_argument("--requests", type=int, default=2000, help="requests a side takes in turn")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    shape = SHAPES.get(args.shape, QUICK_SHAPE)
+    failed = False
+    for ps in args.ps if args.ps else range(shape.ps):
+        if not 0 <= ps < shape.ps:
+            parser.error(f"--ps: the {shape.name} shape has PS 0..{shape.ps - 1}")
+        result = measure(shape, args.optimizer, ps, args.requests, args.repeats)
+        failed |= bool(result["differences"])
+        print(json.dumps(result), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
