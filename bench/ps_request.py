@@ -11,12 +11,13 @@ PS's data path hands them over) and as the sharded reference's pushes to an answ
 (bench/limit.py's `Answerer`, the limit + update over as many answering processes as the shape
 has PS). Both apply the same updates with the same C kernels; what differs is what each does
 around them (decoding and checking a request, bookkeeping, metrics, the reply). They take turns
-in blocks of `--requests`, `--repeats` times; it prints the median CPU microseconds a request,
-per PS, and their ratio, and checks that both sides ended with the same parameters.
+in blocks of `--requests`, `--repeats` times, each request first copied into the side's receive
+buffer as its server's receive copies it; it prints the median CPU microseconds a request, per
+PS, and their ratio, and checks that both sides ended with the same parameters and slots.
 
-The requests are answered one after another, so their rows are warm in the caches, as in no
-real job (whose other processes evict them between requests): the figures are each side's own
-instructions, the floor of what a request costs live, not that cost.
+With nothing else running between requests, a request's code and rows stay warmer in the
+caches than in a real job, whose other processes run in between: the figures are a floor of
+what a request costs live, and the ratio says how much each side does.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from .limit import Answerer, Shards, _RowsLayout, padded
 
 MODULE = "tfps.bench.ps_request"
 GRADIENT_SCALE = 1e-3  # small enough that no update takes a parameter anywhere unusual
-DISTINCT_STEPS = 64  # distinct pushes cycled through (each an aligned copy, as a received request is)
+DISTINCT_STEPS = 64  # distinct pushes cycled through
 
 
 class Pushes:
@@ -67,10 +68,10 @@ class Pushes:
                      .astype(np.float32) for p in self.model.params}
             # no sequence number: the pushes are cycled through, and a PS applies a numbered push once
             meta = {"worker": worker, "workers": shape.workers, "tag": step, "pull": True, "batch": shape.batch, "loss": 0.5}
-            self.tfps.append(_received(wire.encode(meta, self._step_tensors(grads, ids, ahead))))
+            self.tfps.append(memoryview(wire.encode(meta, self._step_tensors(grads, ids, ahead))))
             routes, routes_ahead = ({t: self.shards.routes(t, rows) for t, rows in d.items()} for d in (ids, ahead))
             push = self.layout.push(self.shards.pushes(grads, routes)[ps], self.shards.ids(ps, routes), self.shards.ids(ps, routes_ahead))
-            self.reference.append(_received(b"".join(np.ascontiguousarray(a).tobytes() for a in push)))
+            self.reference.append(memoryview(b"".join(np.ascontiguousarray(a).tobytes() for a in push)))
 
     def _distinct(self, x: dict) -> dict[str, np.ndarray]:
         """Per table, the batch's distinct ids (tfps's `batch_ids`, as both sides' workers number them)."""
@@ -97,11 +98,12 @@ class Pushes:
         return out
 
 
-def _received(data: bytes) -> memoryview:
-    """`data` in an aligned buffer of its own, as a PS receives a request (runtime/datapath.py)."""
-    buf = wire.aligned_empty(len(data))
-    buf[:] = np.frombuffer(data, np.uint8)
-    return memoryview(buf)
+def _receive(inbox: np.ndarray, request: memoryview) -> memoryview:
+    """`request` copied into `inbox`, as a server's receive copies it from the socket: the bytes
+    a request is read from are in the caches as they are after a receive, no more, no less."""
+    view = memoryview(inbox)[:len(request)]
+    view[:] = request
+    return view
 
 
 class Sides:
@@ -120,6 +122,8 @@ class Sides:
         self.shards, self.k = pushes.shards, k
         self.shard = Shard(list(self.shards.plan.for_ps(k)), {p.name: p for p in params}, training, shape.workers, k,
                            PSMetrics(Identity("ps-request", "bench", "ps", k)), num_ps=shape.ps)
+        # each side's receive buffer, reused request after request as each side's server reuses its own
+        self._inbox, self._reference_inbox = (wire.aligned_empty(max(map(len, requests))) for requests in (pushes.tfps, pushes.reference))
         dense_size, tables = self.shards.answerer(k)
         self.answerer = Answerer("async", learning_rate, optimizer, dense_size, tables)
         self.answerer.params = self._reference_dense(self.shard.vars)
@@ -133,10 +137,10 @@ class Sides:
         return np.concatenate(padded([np.asarray(arrays[q.name], np.float32).reshape(-1) for q in self.shards.dense[self.k]]))
 
     def tfps(self, request: memoryview) -> None:
-        self.shard.step(request, encoding="pieces")
+        self.shard.step(_receive(self._inbox, request), encoding="pieces")
 
     def reference(self, request: memoryview) -> None:
-        self.answerer._answer_rows(request)
+        self.answerer._answer_rows(_receive(self._reference_inbox, request))
 
     def differences(self) -> list[str]:
         """The parameters and slots that differ between the two sides (none: both applied the same updates alike)."""
