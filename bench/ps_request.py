@@ -10,10 +10,13 @@ asks for back, random gradients) go as tfps's Step requests to a `Shard` (runtim
 PS's data path hands them over) and as the sharded reference's pushes to an answering process
 (bench/limit.py's `Answerer`, the limit + update over as many answering processes as the shape
 has PS). Both apply the same updates with the same C kernels; what differs is what each does
-around them (decoding and checking a request, bookkeeping, metrics, the reply). They take turns
-in blocks of `--requests`, `--repeats` times, each request first copied into the side's receive
-buffer as its server's receive copies it; it prints the median CPU microseconds a request, per
-PS, and their ratio, and checks that both sides ended with the same parameters and slots.
+around them (decoding and checking a request, bookkeeping, metrics, the reply). A third side,
+the kernels, makes the reference's kernel calls alone on its pushes taken apart beforehand: the
+floor of a request path with no Python in it. The three take turns in blocks of `--requests`,
+`--repeats` times, each request first copied into the side's receive buffer as its server's
+receive copies it. It prints, per PS, each side's median CPU microseconds a request and tfps's
+over the reference's, and checks that tfps and the reference, given each push once before the
+timed blocks, ended with the same parameters and slots.
 
 With nothing else running between requests, a request's code and rows stay warmer in the
 caches than in a real job, whose other processes run in between: the figures are a floor of
@@ -38,6 +41,7 @@ from .limit import Answerer, Shards, _RowsLayout, padded
 MODULE = "tfps.bench.ps_request"
 GRADIENT_SCALE = 1e-3  # small enough that no update takes a parameter anywhere unusual
 DISTINCT_STEPS = 64  # distinct pushes cycled through
+SIDES = ("tfps", "reference", "kernels")
 
 
 class Pushes:
@@ -72,6 +76,8 @@ class Pushes:
             routes, routes_ahead = ({t: self.shards.routes(t, rows) for t, rows in d.items()} for d in (ids, ahead))
             push = self.layout.push(self.shards.pushes(grads, routes)[ps], self.shards.ids(ps, routes), self.shards.ids(ps, routes_ahead))
             self.reference.append(memoryview(b"".join(np.ascontiguousarray(a).tobytes() for a in push)))
+        # the reference's pushes with what they hold already taken apart: the kernels' side
+        self.kernels = [(push, self.layout.split(push)) for push in self.reference]
 
     def _distinct(self, x: dict) -> dict[str, np.ndarray]:
         """Per table, the batch's distinct ids (tfps's `batch_ids`, as both sides' workers number them)."""
@@ -108,7 +114,8 @@ def _receive(inbox: np.ndarray, request: memoryview) -> memoryview:
 
 class Sides:
     """PS `pushes.ps` twice, from the same initial parameters: tfps's `Shard` and the reference's
-    `Answerer` (bench/limit.py, its dense parts as one padded vector, its tables whole)."""
+    `Answerer` (bench/limit.py, its dense parts as one padded vector, its tables whole), whose
+    kernels are also called alone (`kernels`). Each side is a call taking one of its requests."""
 
     def __init__(self, shape: EmbeddingShape, pushes: Pushes, optimizer: str, learning_rate: float):
         from tfps.api.spec import TrainingSpec
@@ -142,6 +149,19 @@ class Sides:
     def reference(self, request: memoryview) -> None:
         self.answerer._answer_rows(_receive(self._reference_inbox, request))
 
+    def kernels(self, request: tuple) -> None:
+        """The reference's request with nothing around its kernels (its push received, taken apart
+        beforehand): the dense update in one call, each table's rows updated, the rows asked for
+        gathered. The floor of a request path with no Python in it, but for these few calls."""
+        push, (dense, pushed, wanted) = request
+        _receive(self._reference_inbox, push)
+        answerer = self.answerer
+        answerer._apply(dense)
+        for (table, slots), (ids, values) in zip(answerer.tables, pushed, strict=True):
+            answerer.optimizer.apply_rows(table, slots, ids, values, answerer.version)
+        for (table, _), ids in zip(answerer.tables, wanted, strict=True):
+            answerer._take(table, ids, np.empty((len(ids), table.shape[1]), np.float32))
+
     def differences(self) -> list[str]:
         """The parameters and slots that differ between the two sides (none: both applied the same updates alike)."""
         out = [] if np.array_equal(self._reference_dense(self.shard.vars), self.answerer.params) else ["dense"]
@@ -171,14 +191,14 @@ def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats:
         sides.tfps(request)
         sides.reference(push)
     differ = sides.differences()
-    figures: dict[str, list[float]] = {"tfps": [], "reference": []}
+    figures: dict[str, list[float]] = {name: [] for name in SIDES}
     for repeat in range(repeats):  # each goes first in turn
-        order = ("tfps", "reference") if repeat % 2 == 0 else ("reference", "tfps")
-        for name in order:
+        for name in SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]:
             figures[name].append(cpu_per_request(getattr(sides, name), getattr(pushes, name), count))
-    tfps, reference = (statistics.median(figures[name]) for name in ("tfps", "reference"))
-    return {"shape": shape.name, "optimizer": optimizer, "ps": ps, "requests": count, "tfps_us": tfps, "reference_us": reference,
-            "ratio": tfps / reference, "tfps_repeats": figures["tfps"], "reference_repeats": figures["reference"],
+    medians = {name: statistics.median(figures[name]) for name in SIDES}
+    return {"shape": shape.name, "optimizer": optimizer, "ps": ps, "requests": count,
+            **{f"{name}_us": medians[name] for name in SIDES}, "ratio": medians["tfps"] / medians["reference"],
+            **{f"{name}_repeats": figures[name] for name in SIDES},
             "request_bytes": len(pushes.tfps[0]), "reference_bytes": len(pushes.reference[0]), "differences": differ}
 
 

@@ -15,8 +15,8 @@ def test_both_sides_apply_the_same_pushes_alike(optimizer):
     for ps in range(QUICK_SHAPE.ps):
         result = ps_request.measure(QUICK_SHAPE, optimizer, ps, count=20, repeats=2)
         assert result["differences"] == [], result
-        assert result["tfps_us"] > 0 and result["reference_us"] > 0
-        assert len(result["tfps_repeats"]) == len(result["reference_repeats"]) == 2
+        assert result["tfps_us"] > 0 and result["reference_us"] > 0 and result["kernels_us"] > 0
+        assert len(result["tfps_repeats"]) == len(result["reference_repeats"]) == len(result["kernels_repeats"]) == 2
         # the same rows and gradients, each side in its own framing
         assert abs(result["request_bytes"] - result["reference_bytes"]) < 0.1 * result["request_bytes"]
 
