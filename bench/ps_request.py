@@ -42,6 +42,7 @@ MODULE = "tfps.bench.ps_request"
 GRADIENT_SCALE = 1e-3  # small enough that no update takes a parameter anywhere unusual
 DISTINCT_STEPS = 64  # distinct pushes cycled through
 SIDES = ("tfps", "reference", "kernels")
+SGD_LEARNING_RATE = 0.01  # `tfps bench`'s default
 
 
 class Pushes:
@@ -184,7 +185,7 @@ def cpu_per_request(side, requests: list[memoryview], count: int) -> float:
 
 
 def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats: int, seed: int = 0) -> dict:
-    learning_rate = ADAM_LEARNING_RATE if optimizer == "adam" else 0.01
+    learning_rate = ADAM_LEARNING_RATE if optimizer == "adam" else SGD_LEARNING_RATE
     pushes = Pushes(shape, ps, seed=seed)
     sides = Sides(shape, pushes, optimizer, learning_rate)
     for request, push in zip(pushes.tfps, pushes.reference, strict=True):  # the same pushes, one each, in the same order
@@ -211,13 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     shape = SHAPES.get(args.shape, QUICK_SHAPE)
+    which = args.ps if args.ps else list(range(shape.ps))
+    if any(not 0 <= ps < shape.ps for ps in which):
+        parser.error(f"--ps: the {shape.name} shape has PS 0..{shape.ps - 1}")
     failed = False
-    for ps in args.ps if args.ps else range(shape.ps):
-        if not 0 <= ps < shape.ps:
-            parser.error(f"--ps: the {shape.name} shape has PS 0..{shape.ps - 1}")
+    for ps in which:
         result = measure(shape, args.optimizer, ps, args.requests, args.repeats)
-        failed |= bool(result["differences"])
         print(json.dumps(result), flush=True)
+        if result["differences"]:
+            failed = True
+            print(f"PS {ps}: tfps and the reference ended with different {', '.join(result['differences'])}", file=sys.stderr)
     return 1 if failed else 0
 
 
