@@ -207,7 +207,10 @@ class Answerer:
     def _answer_rows(self, view: memoryview) -> list[np.ndarray]:
         """Apply a `_RowsLayout` push (its dense gradients, then its rows', only those rows) and
         answer the parameters and the rows asked for."""
-        grad, pushed, wanted = self.rows.split(view)
+        return padded(self.update_rows(*self.rows.split(view)))
+
+    def update_rows(self, grad: np.ndarray | None, pushed: list[tuple[np.ndarray, np.ndarray]], wanted: list[np.ndarray]) -> list[np.ndarray]:
+        """A push taken apart (`_RowsLayout.split`) applied: the parameters, then the rows asked for."""
         with self.cond:
             if grad is not None:
                 self._apply(grad)
@@ -217,7 +220,7 @@ class Answerer:
             for (table, _), ids in zip(self.tables, wanted, strict=True):
                 out.append(np.empty((len(ids), table.shape[1]), np.float32))
                 self._take(table, ids, out[-1])
-        return padded(out)
+        return out
 
     def _parameters(self, grad: np.ndarray, size: int) -> np.ndarray:
         """The parameters after this push's update (an empty push: the parameters as they are)."""

@@ -33,10 +33,10 @@ import time
 import numpy as np
 
 from tfps.runtime import wire
-from tfps.runtime.sharding import batch_ids, route_rows
+from tfps.runtime.sharding import batch_ids
 
 from .embedding import ADAM_LEARNING_RATE, OPTIMIZERS, QUICK_SHAPE, SHAPES, EmbeddingShape, load
-from .limit import Answerer, Shards, _RowsLayout, padded
+from .limit import Answerer, Shards, _route, _RowsLayout, padded
 
 MODULE = "tfps.bench.ps_request"
 GRADIENT_SCALE = 1e-3  # small enough that no update takes a parameter anywhere unusual
@@ -73,8 +73,8 @@ class Pushes:
                      .astype(np.float32) for p in self.model.params}
             # no sequence number: the pushes are cycled through, and a PS applies a numbered push once
             meta = {"worker": worker, "workers": shape.workers, "tag": step, "pull": True, "batch": shape.batch, "loss": 0.5}
-            self.tfps.append(memoryview(wire.encode(meta, self._step_tensors(grads, ids, ahead))))
             routes, routes_ahead = ({t: self.shards.routes(t, rows) for t, rows in d.items()} for d in (ids, ahead))
+            self.tfps.append(memoryview(wire.encode(meta, self._step_tensors(grads, routes, routes_ahead))))
             push = self.layout.push(self.shards.pushes(grads, routes)[ps], self.shards.ids(ps, routes), self.shards.ids(ps, routes_ahead))
             self.reference.append(memoryview(b"".join(np.ascontiguousarray(a).tobytes() for a in push)))
         # the reference's pushes with what they hold already taken apart: the kernels' side
@@ -84,24 +84,22 @@ class Pushes:
         """Per table, the batch's distinct ids (tfps's `batch_ids`, as both sides' workers number them)."""
         return {p.name: batch_ids(x[p.feature])[0] for p in self.model.sparse_params}
 
-    def _step_tensors(self, grads: dict, ids: dict, ahead: dict) -> dict[str, np.ndarray]:
-        """This PS's tensors of a worker's Step, in a worker's order: dense gradients, each
-        table part's pushed rows (indices, then values), the rows asked for."""
-        plan, out = self.shards.plan, {}
-        for p in self.model.params:
-            parts = plan.parts_of(p.name)
-            for part in parts if not p.sparse else ():
-                if part.ps == self.ps:
-                    out[part.name] = grads[p.name] if len(parts) == 1 else grads[p.name][part.start:part.stop]
-        for table, rows in ids.items():
-            for part, positions, local in route_rows(plan.parts_of(table), rows):
-                if part.ps == self.ps:
-                    out[f"{part.name}:indices"] = local
-                    out[f"{part.name}:values"] = grads[table][positions.start:positions.stop]
-        for table, rows in ahead.items():
-            for part, _, local in route_rows(plan.parts_of(table), rows):
-                if part.ps == self.ps:
-                    out[f"{part.name}:rows"] = local
+    def _step_tensors(self, grads: dict, routes: dict, ahead: dict) -> dict[str, np.ndarray]:
+        """This PS's tensors of a worker's Step, in a worker's order (runtime/worker.py's
+        `_split_grads`, then the rows asked for): dense gradients, each table part's pushed rows
+        (indices, then values), the rows asked for; `routes`, `ahead`: per table, `Shards.routes`."""
+        shards, out = self.shards, {}
+        for q in shards.dense[self.ps]:
+            out[q.name] = grads[q.var][q.start:q.stop] if q.var in shards.joined else grads[q.var]
+        for q in shards.tables[self.ps]:
+            positions, local = _route(routes, q)
+            if len(local):
+                out[f"{q.name}:indices"] = local
+                out[f"{q.name}:values"] = grads[q.var][positions.start:positions.stop]
+        for q in shards.tables[self.ps]:
+            local = _route(ahead, q)[1]
+            if len(local):
+                out[f"{q.name}:rows"] = local
         return out
 
 
@@ -152,16 +150,11 @@ class Sides:
 
     def kernels(self, request: tuple) -> None:
         """The reference's request with nothing around its kernels (its push received, taken apart
-        beforehand): the dense update in one call, each table's rows updated, the rows asked for
-        gathered. The floor of a request path with no Python in it, but for these few calls."""
-        push, (dense, pushed, wanted) = request
+        beforehand): its update and gather alone (`Answerer.update_rows`), with no framing of the
+        reply. The floor of a request path with no Python in it, but for these few calls."""
+        push, parts = request
         _receive(self._reference_inbox, push)
-        answerer = self.answerer
-        answerer._apply(dense)
-        for (table, slots), (ids, values) in zip(answerer.tables, pushed, strict=True):
-            answerer.optimizer.apply_rows(table, slots, ids, values, answerer.version)
-        for (table, _), ids in zip(answerer.tables, wanted, strict=True):
-            answerer._take(table, ids, np.empty((len(ids), table.shape[1]), np.float32))
+        self.answerer.update_rows(*parts)
 
     def differences(self) -> list[str]:
         """The parameters and slots that differ between the two sides (none: both applied the same updates alike)."""
