@@ -16,15 +16,21 @@ floor of a request path with no Python in it. The three take turns in blocks of 
 `--repeats` times, each request first copied into the side's receive buffer as its server's
 receive copies it. It prints, per PS, each side's median CPU microseconds a request and tfps's
 over the reference's, and checks that tfps and the reference, given each push once before the
-timed blocks, ended with the same parameters and slots.
+timed blocks, ended with the same parameters and slots. What was made before the timed blocks
+is out of the garbage collector's sight, as in the PS and the reference's processes
+(runtime/process.py's `freeze_startup_objects`): else each full collection would scan the
+model's and the pushes' objects again, charged to the side that allocates most (tfps).
 
 With nothing else running between requests, a request's code and rows stay warmer in the
-caches than in a real job, whose other processes run in between: the figures are a floor of
-what a request costs live, and the ratio says how much each side does.
+caches than in a real job, whose workers compute between a PS's requests: the figures are a
+floor of what a request costs live. `--evict-mib N` writes N MiB between requests (untimed),
+which leaves a request nothing of its own in the caches: a ceiling of what the caches add. Live
+lies between the two.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -169,15 +175,26 @@ class Sides:
         return out
 
 
-def cpu_per_request(side, requests: list[memoryview], count: int) -> float:
-    """CPU microseconds a request of `side`, over `count` requests cycling through `requests`."""
-    start = time.thread_time()
+def cpu_per_request(side, requests: list[memoryview], count: int, evict: np.ndarray | None = None) -> float:
+    """CPU microseconds a request of `side`, over `count` requests cycling through `requests`;
+    with `evict`, every byte of it written before each request (not timed)."""
+    if evict is None:
+        start = time.thread_time()
+        for i in range(count):
+            side(requests[i % len(requests)])
+        return (time.thread_time() - start) / count * 1e6
+    spent = 0.0
     for i in range(count):
+        np.add(evict, 1, out=evict)
+        start = time.thread_time()
         side(requests[i % len(requests)])
-    return (time.thread_time() - start) / count * 1e6
+        spent += time.thread_time() - start
+    return spent / count * 1e6
 
 
-def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats: int, seed: int = 0) -> dict:
+def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats: int, seed: int = 0, evict_mib: int = 0) -> dict:
+    from tfps.runtime.process import freeze_startup_objects
+
     learning_rate = ADAM_LEARNING_RATE if optimizer == "adam" else SGD_LEARNING_RATE
     pushes = Pushes(shape, ps, seed=seed)
     sides = Sides(shape, pushes, optimizer, learning_rate)
@@ -185,12 +202,17 @@ def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats:
         sides.tfps(request)
         sides.reference(push)
     differ = sides.differences()
+    evict = np.zeros(evict_mib << 20, np.uint8) if evict_mib else None
     figures: dict[str, list[float]] = {name: [] for name in SIDES}
-    for repeat in range(repeats):  # each goes first in turn
-        for name in SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]:
-            figures[name].append(cpu_per_request(getattr(sides, name), getattr(pushes, name), count))
+    freeze_startup_objects()
+    try:
+        for repeat in range(repeats):  # each goes first in turn
+            for name in SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]:
+                figures[name].append(cpu_per_request(getattr(sides, name), getattr(pushes, name), count, evict))
+    finally:
+        gc.unfreeze()  # a caller that goes on (a test) has its collector back whole
     medians = {name: statistics.median(figures[name]) for name in SIDES}
-    return {"shape": shape.name, "optimizer": optimizer, "ps": ps, "requests": count,
+    return {"shape": shape.name, "optimizer": optimizer, "ps": ps, "requests": count, "evict_mib": evict_mib,
             **{f"{name}_us": medians[name] for name in SIDES}, "ratio": medians["tfps"] / medians["reference"],
             **{f"{name}_repeats": figures[name] for name in SIDES},
             "request_bytes": len(pushes.tfps[0]), "reference_bytes": len(pushes.reference[0]), "differences": differ}
@@ -203,14 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", type=int, nargs="*", help="which PS (default: each)")
     parser.add_argument("--requests", type=int, default=2000, help="requests a side takes in turn")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--evict-mib", type=int, default=0,
+                        help="MiB written between requests, untimed (0: none; more than the last-level cache: a cold request)")
     args = parser.parse_args(argv)
     shape = SHAPES.get(args.shape, QUICK_SHAPE)
     which = args.ps if args.ps else list(range(shape.ps))
+    if args.evict_mib < 0:
+        parser.error("--evict-mib: a count of MiB, 0 or more")
     if any(not 0 <= ps < shape.ps for ps in which):
         parser.error(f"--ps: the {shape.name} shape has PS 0..{shape.ps - 1}")
     failed = False
     for ps in which:
-        result = measure(shape, args.optimizer, ps, args.requests, args.repeats)
+        result = measure(shape, args.optimizer, ps, args.requests, args.repeats, evict_mib=args.evict_mib)
         print(json.dumps(result), flush=True)
         if result["differences"]:
             failed = True

@@ -1,6 +1,7 @@
 """The in-process cost of one PS request (bench/ps_request.py): tfps's Shard and the reference's
 answering process are given the same pushes and must end with the same parameters and slots,
 which is what makes their CPU a request comparable. Real Shard, real Answerer, no sockets."""
+import gc
 import json
 
 import numpy as np
@@ -52,3 +53,15 @@ def test_main_prints_one_line_per_ps_and_fails_on_a_bad_ps(capsys):
     assert [json.loads(line)["ps"] for line in lines] == [1]
     with pytest.raises(SystemExit):
         ps_request.main(["--shape", QUICK_SHAPE.name, "--ps", "2"])
+
+
+def test_requests_measured_cold_still_apply_alike_and_the_collector_is_given_back():
+    """With --evict-mib each request comes to caches that hold nothing of its own; what was frozen
+    out of the collector's sight for the timed blocks is back in it afterwards."""
+    frozen = gc.get_freeze_count()
+    result = ps_request.measure(QUICK_SHAPE, "adam", 1, count=4, repeats=1, evict_mib=1)
+    assert result["evict_mib"] == 1 and result["differences"] == []
+    assert result["tfps_us"] > 0 and result["kernels_us"] > 0
+    assert gc.get_freeze_count() == frozen
+    with pytest.raises(SystemExit):
+        ps_request.main(["--shape", QUICK_SHAPE.name, "--evict-mib", "-1"])
