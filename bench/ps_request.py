@@ -42,7 +42,7 @@ from tfps.runtime import wire
 from tfps.runtime.sharding import batch_ids
 
 from .embedding import ADAM_LEARNING_RATE, OPTIMIZERS, QUICK_SHAPE, SHAPES, EmbeddingShape, load
-from .limit import Answerer, Shards, _route, _RowsLayout, padded
+from .limit import Answerer, Shards, _RowsLayout, padded
 
 MODULE = "tfps.bench.ps_request"
 GRADIENT_SCALE = 1e-3  # small enough that no update takes a parameter anywhere unusual
@@ -91,22 +91,15 @@ class Pushes:
         return {p.name: batch_ids(x[p.feature])[0] for p in self.model.sparse_params}
 
     def _step_tensors(self, grads: dict, routes: dict, ahead: dict) -> dict[str, np.ndarray]:
-        """This PS's tensors of a worker's Step, in a worker's order (runtime/worker.py's
-        `_split_grads`, then the rows asked for): dense gradients, each table part's pushed rows
-        (indices, then values), the rows asked for; `routes`, `ahead`: per table, `Shards.routes`."""
-        shards, out = self.shards, {}
-        for q in shards.dense[self.ps]:
-            out[q.name] = grads[q.var][q.start:q.stop] if q.var in shards.joined else grads[q.var]
-        for q in shards.tables[self.ps]:
-            positions, local = _route(routes, q)
-            if len(local):
-                out[f"{q.name}:indices"] = local
-                out[f"{q.name}:values"] = grads[q.var][positions.start:positions.stop]
-        for q in shards.tables[self.ps]:
-            local = _route(ahead, q)[1]
-            if len(local):
-                out[f"{q.name}:rows"] = local
-        return out
+        """This PS's tensors of a worker's Step, as a worker makes them (runtime/sharding.py's
+        `split_push`, then `rows_asked`); `routes`, `ahead`: per table, `Shards.routes`."""
+        plan = self.shards.plan
+        dense = [p.name for p in self.model.params if not p.sparse]
+
+        def routed(table_routes: dict) -> dict:  # Shards.routes' per table as route_rows' output
+            return {t: [(q, *by_part[q.name]) for q in plan.parts_of(t) if q.name in by_part] for t, by_part in table_routes.items()}
+
+        return {**plan.split_push(dense, grads, routed(routes))[self.ps], **plan.rows_asked(routed(ahead))[self.ps]}
 
 
 def _receive(inbox: np.ndarray, request: memoryview) -> memoryview:

@@ -59,6 +59,31 @@ class Placement:
             out.setdefault(part.var, []).append(part)
         return out
 
+    def split_push(self, dense_vars: list[str], grads: dict[str, np.ndarray], routes: dict) -> list[dict[str, np.ndarray]]:
+        """Per PS, the gradients of a worker's push, as its Step carries them: each dense
+        variable's (`dense_vars`, in the model's order; a slice per part where it is split), then
+        each table part's pushed rows, as local indices and their gradients' rows (`routes`: per
+        table, `route_rows`' output for the batch's distinct ids, which `grads[table]` follows)."""
+        out: list[dict[str, np.ndarray]] = [dict() for _ in range(self.num_ps)]
+        for name in dense_vars:
+            grad, parts = grads[name], self.parts_of(name)
+            for part in parts:
+                out[part.ps][part.name] = grad if len(parts) == 1 else grad[part.start:part.stop]
+        for name, table_routes in routes.items():
+            grad = grads[name]
+            for part, positions, local in table_routes:
+                out[part.ps][f"{part.name}:indices"] = local.astype(np.int64, copy=False)
+                out[part.ps][f"{part.name}:values"] = grad[positions[0]:positions[-1] + 1]
+        return out
+
+    def rows_asked(self, routes: dict) -> list[dict[str, np.ndarray]]:
+        """Per PS, the rows a worker asks back of each of its table parts (`routes` as `split_push`'s)."""
+        out: list[dict[str, np.ndarray]] = [dict() for _ in range(self.num_ps)]
+        for table_routes in routes.values():
+            for part, _, local in table_routes:
+                out[part.ps][f"{part.name}:rows"] = local
+        return out
+
     def load(self) -> list[int]:
         loads = [0] * self.num_ps
         for p in self.parts:

@@ -354,7 +354,7 @@ class Worker:
     def _sparse_plan(self, x: dict) -> tuple[dict, list[dict], dict]:
         """Remap id features onto the batch's unique ids. Returns the remapped features,
         per shard the rows to ask for, and per table its routes (part, positions, rows)."""
-        local_x, per_shard, routes, uniq, by_split = dict(x), [dict() for _ in self.clients], {}, {}, {}
+        local_x, routes, uniq, by_split = dict(x), {}, {}, {}
         for name, param in self.sparse.items():
             feature = param.feature
             if feature not in uniq:
@@ -366,9 +366,7 @@ class Worker:
             else:  # the same routes as an earlier table's, through this table's own parts
                 at = {part.start: part for part in parts}
                 routes[name] = [(at[part.start], positions, local) for part, positions, local in alike]
-            for part, _, local in routes[name]:
-                per_shard[part.ps][f"{part.name}:rows"] = local
-        return local_x, per_shard, routes
+        return local_x, self.plan.rows_asked(routes), routes
 
     def _rows_from(self, replies: list, routes: dict) -> dict[str, np.ndarray]:
         rows = {}
@@ -496,7 +494,7 @@ class Worker:
         next_requests, next_routes = [dict() for _ in self.clients], {}
         if self.sparse:
             _, _, next_requests, next_routes = self._batch_plan(step + 1)
-        inflight = self._send(list(self.versions), self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss},
+        inflight = self._send(list(self.versions), self.plan.split_push(self.dense_vars, grads, routes), {"pull": True, "batch": batch, "loss": loss},
                               next_requests, next_routes)
         if not self.sparse:  # the next batch is made while the PS closes the step (with tables it was made before, for its rows)
             self._batch_plan(step + 1)
@@ -537,23 +535,10 @@ class Worker:
             requests, routes_ahead = [dict() for _ in self.clients], {}
             if self.sparse:
                 _, _, requests, routes_ahead = self._batch_plan(step + 2)
-            inflight = (self._send(tags, self._split_grads(grads, routes), {"pull": True, "batch": batch, "loss": loss}, requests,
+            inflight = (self._send(tags, self.plan.split_push(self.dense_vars, grads, routes), {"pull": True, "batch": batch, "loss": loss}, requests,
                                    routes_ahead), step + 2)
             step += 1
             self._count(loss, batch, t_step)
-
-    def _split_grads(self, grads: dict[str, np.ndarray], routes: dict) -> list[dict]:
-        out = [dict() for _ in self.clients]
-        for name in self.dense_vars:
-            grad, parts = grads[name], self.plan.parts_of(name)
-            for part in parts:
-                out[part.ps][part.name] = grad if len(parts) == 1 else grad[part.start:part.stop]
-        for name, table_routes in routes.items():
-            grad = grads[name]
-            for part, positions, local in table_routes:
-                out[part.ps][f"{part.name}:indices"] = local.astype(np.int64, copy=False)
-                out[part.ps][f"{part.name}:values"] = grad[positions[0]:positions[-1] + 1]
-        return out
 
     def run(self) -> None:
         """Train until the PS reports the job's step count reached."""

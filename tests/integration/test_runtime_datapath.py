@@ -255,7 +255,7 @@ def test_a_push_whose_connection_breaks_before_its_reply_is_read_is_made_again_a
         try:
             versions = [s.version for s in cluster.shards]
             loss, grads, routes, batch = worker._compute(worker.clock)
-            sent = worker._send(list(worker.versions), worker._split_grads(grads, routes),
+            sent = worker._send(list(worker.versions), worker.plan.split_push(worker.dense_vars, grads, routes),
                                 {"pull": True, "batch": batch, "loss": loss}, [{} for _ in worker.clients], {})
             with pytest.raises(RuntimeError, match="still to be read"):
                 worker.clients[0]._data.call(wire.pieces({"tag": -1, "pull": True}, {}))

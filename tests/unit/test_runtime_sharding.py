@@ -44,6 +44,32 @@ def test_route_rows_splits_ids_by_part():
     assert [(part.ps, list(pos), list(local)) for part, pos, local in routes] == [(0, [0, 1], [0, 3]), (1, [2, 3], [0, 4])]
 
 
+def test_a_push_is_split_by_part_and_the_rows_asked_for_go_to_their_ps():
+    """What a worker's Step carries to each PS: a split dense variable's slice per part, a whole one
+    to its PS; each table part's pushed rows as local indices and their gradients' rows."""
+    params = [Param("big", (4, 3)), Param("bias", (3,)), Param("t", (10, 2), sparse=True, feature="ids")]
+    plan = place(params, 2)
+    assert len(plan.parts_of("big")) == 2 and len(plan.parts_of("bias")) == 1
+    ids = np.array([0, 3, 5, 9], np.int64)
+    routes = {"t": route_rows(plan.parts_of("t"), ids)}
+    grads = {"big": np.arange(12, dtype=np.float32).reshape(4, 3), "bias": np.ones(3, np.float32),
+             "t": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    pushes = plan.split_push(["big", "bias"], grads, routes)
+    bias_ps = plan.parts_of("bias")[0].ps
+    for k, push in enumerate(pushes):
+        big = plan.parts_of("big")[k]
+        np.testing.assert_array_equal(push[big.name], grads["big"][big.start:big.stop])
+        assert ("bias" in push) == (k == bias_ps)
+        assert push["t/part-%d:indices" % k].dtype == np.int64
+    np.testing.assert_array_equal(pushes[0]["t/part-0:indices"], [0, 3])
+    np.testing.assert_array_equal(pushes[1]["t/part-1:indices"], [0, 4])
+    np.testing.assert_array_equal(pushes[1]["t/part-1:values"], grads["t"][2:4])
+    asked = plan.rows_asked(routes)
+    assert [list(a) for a in asked] == [["t/part-0:rows"], ["t/part-1:rows"]]
+    np.testing.assert_array_equal(asked[1]["t/part-1:rows"], [0, 4])
+    assert plan.rows_asked({}) == [{}, {}]
+
+
 def _id_batches():
     rng = np.random.default_rng(7)
     yield np.zeros((0, 8), np.int64)
