@@ -838,14 +838,14 @@ static PyObject *from_bfloat16(PyObject *self, PyObject *args) { return cast(arg
    accepts to (kind, part, shape): kind 0 a dense part (shape: its shape), 1 a table's indices,
    2 their gradients, 3 the rows asked for (shape: the table's (rows, width)). */
 
-static PyObject *np_frombuffer, *np_float32, *np_int64, *json_loads;
+static PyObject *np_ndarray, *np_float32, *np_int64, *json_loads;
 
 static int parse_setup(void) {
     if (json_loads) return 0;
     PyObject *wire = PyImport_ImportModule("tfps.runtime.wire"), *np = wire ? PyImport_ImportModule("numpy") : NULL;
     if (np) {
         json_loads = PyObject_GetAttrString(wire, "json_loads");
-        np_frombuffer = PyObject_GetAttrString(np, "frombuffer");
+        np_ndarray = PyObject_GetAttrString(np, "ndarray");
         PyObject *dtype = PyObject_GetAttrString(np, "dtype");
         if (dtype) {
             np_float32 = PyObject_CallFunction(dtype, "s", "float32");
@@ -855,7 +855,7 @@ static int parse_setup(void) {
     }
     Py_XDECREF(wire);
     Py_XDECREF(np);
-    if (!json_loads || !np_frombuffer || !np_float32 || !np_int64) {
+    if (!json_loads || !np_ndarray || !np_float32 || !np_int64) {
         Py_CLEAR(json_loads);
         return -1;
     }
@@ -874,13 +874,14 @@ static Py_ssize_t count_of(PyObject *obj) {
 }
 
 /* The tensor at `offset` of `data` as a NumPy view of `n` items of `dtype`, in `rows` x `cols`
-   (cols < 0: 1-D) or in `shape` (a tuple) when given. */
+   (cols < 0: 1-D) or in `shape` (a tuple) when given: one call of np.ndarray (frombuffer and a
+   reshape take twice as long, for each of a request's tensors). */
 static PyObject *view_at(PyObject *data, PyObject *dtype, Py_ssize_t n, Py_ssize_t offset, Py_ssize_t rows,
                          Py_ssize_t cols, PyObject *shape) {
-    PyObject *flat = PyObject_CallFunction(np_frombuffer, "OOnn", data, dtype, n, offset);
-    if (!flat || (cols < 0 && !shape)) return flat;
-    PyObject *out = shape ? PyObject_CallMethod(flat, "reshape", "(O)", shape) : PyObject_CallMethod(flat, "reshape", "nn", rows, cols);
-    Py_DECREF(flat);
+    PyObject *dims = shape ? Py_NewRef(shape) : cols < 0 ? Py_BuildValue("(n)", n) : Py_BuildValue("(nn)", rows, cols);
+    if (!dims) return NULL;
+    PyObject *out = PyObject_CallFunction(np_ndarray, "OOOn", dims, dtype, data, offset);
+    Py_DECREF(dims);
     return out;
 }
 
@@ -1007,6 +1008,320 @@ done:
     return result;
 }
 
+/* ---- an async push applied and answered in one call --------------------------------------
+
+   apply_async(opt, h, slot_names, vars, slots, dense, sparse, rows, reply_dense, meta) applies
+   the push of a request that parse_request took (its rows strictly increasing and inside their
+   tables, every gradient float32, the rows' finite) and encodes the reply, as runtime/ps.py's
+   Shard does it in Python for every other request: the same float operations on the same arrays,
+   the same bytes back. opt: 0 SGD, 1 momentum, 2 Adam, 3 Adagrad; h: its hyperparameters, in the
+   order of its kernels' arguments (Adam's rate for this update); slot_names: the optimizer's
+   slots, in its kernels' order; vars: {part: array}, slots: {part: {slot: array}} (the shard's
+   own dicts: each dense part's new arrays replace its old there, its tables change in place);
+   dense, sparse, rows: parse_request's; reply_dense: the dense parts to send back, in order;
+   meta: the reply's meta as JSON. Nothing changes until every dense gradient is known finite:
+   the name of the first that is not comes back instead. Else (pieces, nbytes): the reply as
+   wire.pieces makes it (length, header, padding and each tensor's own array), and its size.
+
+   In Python the same request makes a call per dense part, per table and per reply tensor, each
+   with its arrays, dicts and argument parsing around it: about twice the CPU of the kernels
+   themselves, which the PS spends on every request a worker sends. */
+
+static PyObject *np_empty_like, *np_empty;
+
+static int apply_setup(void) {
+    if (np_empty) return 0;
+    if (parse_setup() < 0) return -1;
+    PyObject *np = PyImport_ImportModule("numpy");
+    if (!np) return -1;
+    np_empty_like = PyObject_GetAttrString(np, "empty_like");
+    np_empty = np_empty_like ? PyObject_GetAttrString(np, "empty") : NULL;
+    Py_DECREF(np);
+    if (!np_empty) {
+        Py_CLEAR(np_empty_like);
+        return -1;
+    }
+    return 0;
+}
+
+static const int SLOTS_OF[4] = {0, 1, 2, 1};
+
+static uint32_t dense_update(int opt, const Dense *d, const float *h) {
+    switch (opt) {
+    case 0: return sgd_loop(d, h);
+    case 1: return momentum_loop(d, h);
+    case 2: return adam_loop(d, h);
+    default: return adagrad_loop(d, h);
+    }
+}
+
+static void rows_update(int opt, Rows r, const float *h) {
+    switch (opt) {
+    case 0: sgd_rows(r, h[0]); break;
+    case 1: momentum_rows(r, h[0], h[1]); break;
+    case 2: adam_rows(r, h[0], h[1], h[2], h[3]); break;
+    default: adagrad_rows(r, h[0], h[1]); break;
+    }
+}
+
+/* A reply's header, written as orjson writes it. */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} Text;
+
+static int text_add(Text *t, const char *s, size_t n) {
+    if (t->n + n > t->cap) {
+        size_t cap = t->cap ? t->cap : 1024;
+        while (cap < t->n + n) cap *= 2;
+        char *grown = PyMem_Realloc(t->p, cap);
+        if (!grown) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        t->p = grown;
+        t->cap = cap;
+    }
+    memcpy(t->p + t->n, s, n);
+    t->n += n;
+    return 0;
+}
+
+static int text_int(Text *t, Py_ssize_t v) {
+    char digits[32];
+    int k = snprintf(digits, sizeof digits, "%zd", v);
+    return text_add(t, digits, (size_t)k);
+}
+
+/* `name` as a JSON string (quotes, backslashes and control characters escaped). */
+static int text_str(Text *t, PyObject *name) {
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(name, &n);
+    if (!s || text_add(t, "\"", 1) < 0) return -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        char esc[8];
+        if (c == '"' || c == '\\') {
+            esc[0] = '\\', esc[1] = (char)c;
+            if (text_add(t, esc, 2) < 0) return -1;
+        } else if (c < 0x20) {
+            snprintf(esc, sizeof esc, "\\u%04x", c);
+            if (text_add(t, esc, 6) < 0) return -1;
+        } else if (text_add(t, s + i, 1) < 0) {
+            return -1;
+        }
+    }
+    return text_add(t, "\"", 1);
+}
+
+/* One table's update: its buffers, held from the checks until the update is done. */
+typedef struct {
+    Buf bufs[NBUFS];
+    Rows r;
+} RowJob;
+
+/* Append the reply tensor `arr` (named `name`) to `pieces` and its entry to `head`, after the
+   padding that starts it on an ALIGN boundary of the message's tensors (`offset`: their bytes so far). */
+static int reply_tensor(PyObject *pieces, Text *head, PyObject *name, PyObject *arr, Py_ssize_t *offset, int first) {
+    static const char zeros[64] = {0};
+    Buf b = {0};
+    if (get(arr, &b, "f", -1, 0, "reply tensor") < 0) goto fail;
+    if ((!first && text_add(head, ",", 1) < 0) || text_add(head, "[", 1) < 0 || text_str(head, name) < 0 ||
+        text_add(head, ",\"float32\",[", 12) < 0)
+        goto fail;
+    for (int i = 0; i < b.view.ndim; i++)
+        if ((i && text_add(head, ",", 1) < 0) || text_int(head, b.view.shape[i]) < 0) goto fail;
+    if (text_add(head, "],", 2) < 0 || text_int(head, b.view.len) < 0 || text_add(head, "]", 1) < 0) goto fail;
+    Py_ssize_t pad = (64 - *offset % 64) % 64;
+    if (pad) {
+        PyObject *z = PyBytes_FromStringAndSize(zeros, pad);
+        if (!z || PyList_Append(pieces, z) < 0) {
+            Py_XDECREF(z);
+            goto fail;
+        }
+        Py_DECREF(z);
+    }
+    if (b.view.len && PyList_Append(pieces, arr) < 0) goto fail;
+    *offset += pad + b.view.len;
+    release(&b, 1);
+    return 0;
+fail:
+    release(&b, 1);
+    return -1;
+}
+
+/* A new (k, d) float32 array of the `rows` of 2-D `table`. */
+static PyObject *gathered(PyObject *table, PyObject *rows) {
+    Buf b[3] = {0};
+    PyObject *out = NULL;
+    if (get(table, &b[0], "f", 2, 0, "table") < 0 || get(rows, &b[1], "q", 1, 0, "rows") < 0) goto fail;
+    Py_ssize_t n = b[0].view.shape[0], d = b[0].view.shape[1], k = b[1].view.shape[0];
+    const float *t = b[0].view.buf;
+    const int64_t *r = b[1].view.buf;
+    if (rows_inside(r, k, n) < 0) goto fail;
+    out = PyObject_CallFunction(np_empty, "(nn)O", k, d, np_float32);
+    if (!out || get(out, &b[2], "f", 2, 1, "out") < 0) goto fail;
+    float *o = b[2].view.buf;
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + AHEAD < k)
+            for (Py_ssize_t j = 0; j < d; j += 64 / sizeof(float)) __builtin_prefetch(t + r[i + AHEAD] * d + j, 0, 0);
+        memcpy(o + i * d, t + r[i] * d, d * sizeof(float));
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 3);
+    return out;
+fail:
+    release(b, 3);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static PyObject *apply_async(PyObject *self, PyObject *args) {
+    int opt;
+    float h[4] = {0};
+    PyObject *slot_names, *vars, *slots, *dense, *sparse, *rows, *reply_dense, *meta;
+    if (!PyArg_ParseTuple(args, "i(ffff)O!O!O!O!O!O!O!S", &opt, &h[0], &h[1], &h[2], &h[3], &PyTuple_Type, &slot_names,
+                          &PyDict_Type, &vars, &PyDict_Type, &slots, &PyDict_Type, &dense, &PyDict_Type, &sparse,
+                          &PyDict_Type, &rows, &PyTuple_Type, &reply_dense, &meta))
+        return NULL;
+    if (opt < 0 || opt > 3 || PyTuple_GET_SIZE(slot_names) != SLOTS_OF[opt]) {
+        PyErr_SetString(PyExc_ValueError, "apply_async: an optimizer 0..3 and its slots' names");
+        return NULL;
+    }
+    if (apply_setup() < 0) return NULL;
+    const int nslots = SLOTS_OF[opt];
+    Py_ssize_t njobs = PyDict_GET_SIZE(sparse), done_jobs = 0;
+    RowJob *jobs = PyMem_Calloc(njobs ? njobs : 1, sizeof(RowJob));
+    PyObject *made = PyList_New(0), *pieces = NULL, *result = NULL;
+    Text head = {0};
+    if (!jobs || !made) {
+        if (!jobs) PyErr_NoMemory();
+        goto fail;
+    }
+    Py_ssize_t pos = 0;
+    PyObject *name, *value;
+
+    /* every table's arrays checked before anything changes */
+    while (PyDict_Next(sparse, &pos, &name, &value)) {
+        PyObject *var = PyDict_GetItemWithError(vars, name), *mine = var ? PyDict_GetItemWithError(slots, name) : NULL;
+        if (!mine || !PyTuple_Check(value) || PyTuple_GET_SIZE(value) != 2) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_async: a table's (indices, values) the shard holds");
+            goto fail;
+        }
+        PyObject *s[2] = {NULL, NULL};
+        for (int i = 0; i < nslots; i++)
+            if (!(s[i] = PyDict_GetItemWithError(mine, PyTuple_GET_ITEM(slot_names, i)))) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a slot the table lacks");
+                goto fail;
+            }
+        RowJob *job = &jobs[done_jobs++];
+        if (unpack(var, s[0], s[1], PyTuple_GET_ITEM(value, 0), PyTuple_GET_ITEM(value, 1), job->bufs, &job->r) < 0) goto fail;
+    }
+
+    /* each dense part's new arrays, kept only once every gradient is known finite */
+    pos = 0;
+    while (PyDict_Next(dense, &pos, &name, &value)) {
+        PyObject *var = PyDict_GetItemWithError(vars, name), *mine = var ? PyDict_GetItemWithError(slots, name) : NULL;
+        if (!mine) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a dense part the shard does not hold");
+            goto fail;
+        }
+        PyObject *entry = PyTuple_New(2 + nslots);
+        if (!entry) goto fail;
+        int appended = PyList_Append(made, entry);
+        Py_DECREF(entry);
+        if (appended < 0) goto fail;
+        PyTuple_SET_ITEM(entry, 0, Py_NewRef(name));
+        PyObject *o[NDENSE] = {var, value};
+        for (int i = 0; i <= nslots; i++) {
+            PyObject *fresh = PyObject_CallOneArg(np_empty_like, var);
+            if (!fresh) goto fail;
+            PyTuple_SET_ITEM(entry, 1 + i, fresh);
+        }
+        o[2] = PyTuple_GET_ITEM(entry, 1);
+        for (int i = 0; i < nslots; i++) {
+            if (!(o[3 + 2 * i] = PyDict_GetItemWithError(mine, PyTuple_GET_ITEM(slot_names, i)))) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a slot the part lacks");
+                goto fail;
+            }
+            o[4 + 2 * i] = PyTuple_GET_ITEM(entry, 2 + i);
+        }
+        Buf bufs[NDENSE] = {0};
+        Dense d = {.scale = 1};
+        if (unpack_dense(o, 3 + 2 * nslots, bufs, &d) < 0) {
+            release(bufs, NDENSE);
+            goto fail;
+        }
+        uint32_t bad;
+        Py_BEGIN_ALLOW_THREADS FpMode fp = flush_subnormals();
+        bad = dense_update(opt, &d, h);
+        restore_fp(fp);
+        Py_END_ALLOW_THREADS
+        release(bufs, NDENSE);
+        if (bad) {
+            result = Py_NewRef(name);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(made); i++) {
+        PyObject *entry = PyList_GET_ITEM(made, i), *mine = PyDict_GetItem(slots, PyTuple_GET_ITEM(entry, 0));
+        if (PyDict_SetItem(vars, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1)) < 0) goto fail;
+        for (int s = 0; s < nslots; s++)
+            if (PyDict_SetItem(mine, PyTuple_GET_ITEM(slot_names, s), PyTuple_GET_ITEM(entry, 2 + s)) < 0) goto fail;
+    }
+    for (Py_ssize_t j = 0; j < njobs; j++) rows_update(opt, jobs[j].r, h);
+
+    /* the reply: the dense parts asked for, then each table's rows asked for */
+    Py_ssize_t offset = 0;
+    int first = 1;
+    pieces = PyList_New(0);
+    if (!pieces || text_add(&head, "{\"meta\":", 8) < 0 || text_add(&head, PyBytes_AS_STRING(meta), PyBytes_GET_SIZE(meta)) < 0 ||
+        text_add(&head, ",\"tensors\":[", 12) < 0)
+        goto fail;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reply_dense); i++, first = 0) {
+        PyObject *part = PyTuple_GET_ITEM(reply_dense, i), *arr = PyDict_GetItemWithError(vars, part);
+        if (!arr) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a dense part to reply the shard does not hold");
+            goto fail;
+        }
+        if (reply_tensor(pieces, &head, part, arr, &offset, first) < 0) goto fail;
+    }
+    pos = 0;
+    while (PyDict_Next(rows, &pos, &name, &value)) {
+        PyObject *table = PyDict_GetItemWithError(vars, name);
+        if (!table) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: rows of a table the shard does not hold");
+            goto fail;
+        }
+        PyObject *out = gathered(table, value), *key = out ? PyUnicode_FromFormat("%U:rows", name) : NULL;
+        int ok = key && reply_tensor(pieces, &head, key, out, &offset, first) == 0;
+        Py_XDECREF(out);
+        Py_XDECREF(key);
+        if (!ok) goto fail;
+        first = 0;
+    }
+    if (text_add(&head, "],\"align\":64}", 13) < 0) goto fail;
+    while ((4 + head.n) % 64)
+        if (text_add(&head, " ", 1) < 0) goto fail;
+    uint32_t hlen = (uint32_t)head.n; /* little-endian, as every machine this runs on */
+    PyObject *length = PyBytes_FromStringAndSize((const char *)&hlen, 4), *text = PyBytes_FromStringAndSize(head.p, head.n);
+    int framed = length && text && PyList_Insert(pieces, 0, text) == 0 && PyList_Insert(pieces, 0, length) == 0;
+    Py_XDECREF(length);
+    Py_XDECREF(text);
+    if (!framed) goto fail;
+    result = Py_BuildValue("(On)", pieces, (Py_ssize_t)(4 + head.n) + offset);
+    goto done;
+fail:
+    result = NULL;
+done:
+    for (Py_ssize_t j = 0; j < done_jobs; j++) release(jobs[j].bufs, NBUFS);
+    PyMem_Free(jobs);
+    PyMem_Free(head.p);
+    Py_XDECREF(made);
+    Py_XDECREF(pieces);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"finite", all_finite, METH_O, "finite(float32 array) -> no NaN and no Inf in it?"},
     {"check_rows", check_rows, METH_VARARGS, "check_rows(rows, n) -> strictly increasing?; ValueError outside 0..n-1"},
@@ -1025,6 +1340,8 @@ static PyMethodDef methods[] = {
     {"to_bfloat16", to_bfloat16, METH_VARARGS, "to_bfloat16(float32 array, uint16 array): its bfloat16 bits, rounded to nearest even"},
     {"from_bfloat16", from_bfloat16, METH_VARARGS, "from_bfloat16(uint16 array of bfloat16 bits, float32 array)"},
     {"parse_request", parse_request, METH_VARARGS, "parse_request(data, layout, check_dense) -> (meta, dense, sparse, rows), or None"},
+    {"apply_async", apply_async, METH_VARARGS,
+     "apply_async(opt, h, slot_names, vars, slots, dense, sparse, rows, reply_dense, meta) -> (pieces, nbytes), or the name of a non-finite dense gradient"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -84,6 +84,19 @@ class ShardOptimizer:
             rate = self._rate = (t, _F32(self.spec.learning_rate * math.sqrt(1 - self.spec.beta2 ** t) / (1 - self.spec.beta1 ** t)))
         return rate[1]
 
+    def kernel_args(self, t: int) -> tuple[int, tuple[float, float, float, float]]:
+        """The optimizer as _rows.apply_async takes it at update `t`: its number (SGD 0, momentum
+        1, Adam 2, Adagrad 3) and its hyperparameters in its kernels' order, the same float32
+        values as `apply_dense` and `apply_rows` pass."""
+        name = self.name
+        if name is OptimizerName.SGD:
+            return 0, (self._lr, 0.0, 0.0, 0.0)
+        if name is OptimizerName.MOMENTUM:
+            return 1, (self._lr, self._momentum, 0.0, 0.0)
+        if name is OptimizerName.ADAM:
+            return 2, (self._b1, self._b2, self._adam_rate(t), self._eps)
+        return 3, (self._lr, self._eps, 0.0, 0.0)
+
     def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int,
                     plus: np.ndarray | None = None, scale: float = 1.0, check: bool = True
                     ) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -37,6 +37,11 @@ HEADER_LENGTH = struct.Struct("<I")  # the header's length, first in a message
 _DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # NumPy scalars in a meta, as the standard library's json took them
 json_loads = orjson.loads  # the header's parser, here and in _rows.parse_request
 
+
+def json_dumps(obj) -> bytes:
+    """A header's JSON (and a reply's meta, which _rows.apply_async puts in the header it writes)."""
+    return orjson.dumps(obj, option=_DUMPS_OPTIONS)
+
 SERVICE = "tfps.ParameterServer"
 # The PS's gRPC methods and their shapes (the names of grpc's `*_rpc_method_handler` on the
 # server and of the channel's call factories on the client), declared once for both.
@@ -121,7 +126,7 @@ def pieces(meta: dict, tensors: dict[str, np.ndarray]) -> list:
         else:  # bfloat16 (ml_dtypes' exports none), 0-d and empty arrays
             bufs.append(memoryview(arr.reshape(-1).view(np.uint8)))
         offset += pad + arr.nbytes
-    header = orjson.dumps({"meta": meta, "tensors": entries, "align": ALIGN}, option=_DUMPS_OPTIONS)
+    header = json_dumps({"meta": meta, "tensors": entries, "align": ALIGN})
     header += b" " * (-(HEADER_LENGTH.size + len(header)) % ALIGN)  # the first tensor starts aligned
     return [HEADER_LENGTH.pack(len(header)), header, *bufs]
 
