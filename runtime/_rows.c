@@ -527,6 +527,16 @@ static int rows_and_out(PyObject *args, Buf *bufs, const char *what, const char 
     return 0;
 }
 
+/* o[i] = t[r[i]] for the k rows of width d, each asked for AHEAD rows before it is copied, the GIL released. */
+static void gather_rows(const float *t, const int64_t *r, Py_ssize_t k, Py_ssize_t d, float *o) {
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < k; i++) {
+        if (i + AHEAD < k)
+            for (Py_ssize_t j = 0; j < d; j += 64 / sizeof(float)) __builtin_prefetch(t + r[i + AHEAD] * d + j, 0, 0);
+        memcpy(o + i * d, t + r[i] * d, d * sizeof(float));
+    }
+    Py_END_ALLOW_THREADS
+}
+
 static PyObject *take(PyObject *self, PyObject *args) {
     Buf bufs[3] = {0};
     if (rows_and_out(args, bufs, "table", "rows") < 0) goto fail;
@@ -540,12 +550,7 @@ static PyObject *take(PyObject *self, PyObject *args) {
         goto fail;
     }
     if (rows_inside(r, k, n) < 0) goto fail;
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < k; i++) {
-        if (i + AHEAD < k)
-            for (Py_ssize_t j = 0; j < d; j += 64 / sizeof(float)) __builtin_prefetch(t + r[i + AHEAD] * d + j, 0, 0);
-        memcpy(o + i * d, t + r[i] * d, d * sizeof(float));
-    }
-    Py_END_ALLOW_THREADS
+    gather_rows(t, r, k, d, o);
     release(bufs, 3);
     Py_RETURN_NONE;
 fail:
@@ -1162,12 +1167,7 @@ static PyObject *gathered(PyObject *table, PyObject *rows) {
     out = PyObject_CallFunction(np_empty, "(nn)O", k, d, np_float32);
     if (!out || get(out, &b[2], "f", 2, 1, "out") < 0) goto fail;
     float *o = b[2].view.buf;
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < k; i++) {
-        if (i + AHEAD < k)
-            for (Py_ssize_t j = 0; j < d; j += 64 / sizeof(float)) __builtin_prefetch(t + r[i + AHEAD] * d + j, 0, 0);
-        memcpy(o + i * d, t + r[i] * d, d * sizeof(float));
-    }
-    Py_END_ALLOW_THREADS
+    gather_rows(t, r, k, d, o);
     release(b, 3);
     return out;
 fail:
