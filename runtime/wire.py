@@ -42,6 +42,7 @@ def json_dumps(obj) -> bytes:
     """A header's JSON (and a reply's meta, which _rows.apply_async puts in the header it writes)."""
     return orjson.dumps(obj, option=_DUMPS_OPTIONS)
 
+
 SERVICE = "tfps.ParameterServer"
 # The PS's gRPC methods and their shapes (the names of grpc's `*_rpc_method_handler` on the
 # server and of the channel's call factories on the client), declared once for both.
