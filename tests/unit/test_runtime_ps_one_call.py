@@ -136,3 +136,19 @@ def test_a_retried_push_and_a_checkpoint_reading_a_table_take_the_python_path(ca
     # once the checkpoint has read it all, pushes take the C path again
     fast.step(memoryview(_requests(0, 3, seed=2)[2]), encoding="pieces")
     assert len(calls) == 2
+
+
+def test_pushes_of_rows_alone_or_asking_no_rows_are_answered_alike(calls):
+    """A push may carry no dense gradient (a PS holding only its tables' parts) or ask for no
+    rows back: the reply lists what there is, as the Python path's does."""
+    fast, _ = _shard(1, "adagrad", True)
+    slow, _ = _shard(1, "adagrad", False)
+    for i, request in enumerate(_requests(1, 4, seed=3)):
+        msg = wire.decode(request)
+        keep = (lambda name: ":" in name) if i % 2 == 0 else (lambda name: not name.endswith(":rows"))
+        trimmed = wire.encode(msg.meta, {name: arr for name, arr in msg.tensors.items() if keep(name)})
+        assert _bytes(fast.step(memoryview(trimmed), encoding="pieces")) == _bytes(slow.step(memoryview(trimmed), encoding="pieces"))
+    assert len(calls) == 4
+    fast_state, slow_state = _state(fast), _state(slow)
+    for name in fast_state:
+        np.testing.assert_array_equal(fast_state[name], slow_state[name], err_msg=name)
