@@ -460,13 +460,16 @@ static SIMD uint32_t adagrad_loop(const Dense *d, const float *h) {
     return bad;
 }
 
-static PyObject *run_dense(PyObject **objs, int nobjs, uint32_t (*loop)(const Dense *, const float *), const float *h,
-                           float scale) {
+typedef uint32_t (*DenseLoop)(const Dense *, const float *);
+
+/* One dense update: `loop` over the unpacked objs (unpack_dense's), the GIL released; 1 when the
+   gradient was finite, 0 when not, -1 with an error set. */
+static int dense_pass(PyObject **objs, int nobjs, DenseLoop loop, const float *h, float scale) {
     Buf bufs[NDENSE] = {0};
     Dense d = {.scale = scale};
     if (unpack_dense(objs, nobjs, bufs, &d) < 0) {
         release(bufs, NDENSE);
-        return NULL;
+        return -1;
     }
     uint32_t bad;
     Py_BEGIN_ALLOW_THREADS FpMode fp = flush_subnormals();
@@ -474,7 +477,12 @@ static PyObject *run_dense(PyObject **objs, int nobjs, uint32_t (*loop)(const De
     restore_fp(fp);
     Py_END_ALLOW_THREADS
     release(bufs, NDENSE);
-    return PyBool_FromLong(!bad);
+    return !bad;
+}
+
+static PyObject *run_dense(PyObject **objs, int nobjs, DenseLoop loop, const float *h, float scale) {
+    int finite = dense_pass(objs, nobjs, loop, h, scale);
+    return finite < 0 ? NULL : PyBool_FromLong(finite);
 }
 
 /* Every dense update ends with the optional (plus=None, scale=1.0) and returns whether the
@@ -490,7 +498,7 @@ static PyObject *dense_sgd(PyObject *self, PyObject *args) {
 
 /* The dense updates with one slot and two hyperparameters (momentum, adagrad):
    (var, grad, out, slot, slot_out, h0, h1). */
-static PyObject *one_slot(PyObject *args, uint32_t (*loop)(const Dense *, const float *)) {
+static PyObject *one_slot(PyObject *args, DenseLoop loop) {
     PyObject *o[NDENSE] = {0};
     float h[4], scale = 1;
     if (!PyArg_ParseTuple(args, "OOOOOff|Of", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1], &o[PLUS], &scale)) return NULL;
@@ -1034,6 +1042,8 @@ done:
 
 static PyObject *np_empty_like, *np_empty;
 
+#define WIRE_ALIGN 64 /* runtime/wire.py's ALIGN: each tensor of a message starts on such a boundary */
+
 static int apply_setup(void) {
     if (np_empty) return 0;
     if (parse_setup() < 0) return -1;
@@ -1051,12 +1061,12 @@ static int apply_setup(void) {
 
 static const int SLOTS_OF[4] = {0, 1, 2, 1};
 
-static uint32_t dense_update(int opt, const Dense *d, const float *h) {
+static DenseLoop dense_loop(int opt) {
     switch (opt) {
-    case 0: return sgd_loop(d, h);
-    case 1: return momentum_loop(d, h);
-    case 2: return adam_loop(d, h);
-    default: return adagrad_loop(d, h);
+    case 0: return sgd_loop;
+    case 1: return momentum_loop;
+    case 2: return adam_loop;
+    default: return adagrad_loop;
     }
 }
 
@@ -1128,7 +1138,7 @@ typedef struct {
 /* Append the reply tensor `arr` (named `name`) to `pieces` and its entry to `head`, after the
    padding that starts it on an ALIGN boundary of the message's tensors (`offset`: their bytes so far). */
 static int reply_tensor(PyObject *pieces, Text *head, PyObject *name, PyObject *arr, Py_ssize_t *offset, int first) {
-    static const char zeros[64] = {0};
+    static const char zeros[WIRE_ALIGN] = {0};
     Buf b = {0};
     if (get(arr, &b, "f", -1, 0, "reply tensor") < 0) goto fail;
     if ((!first && text_add(head, ",", 1) < 0) || text_add(head, "[", 1) < 0 || text_str(head, name) < 0 ||
@@ -1137,7 +1147,7 @@ static int reply_tensor(PyObject *pieces, Text *head, PyObject *name, PyObject *
     for (int i = 0; i < b.view.ndim; i++)
         if ((i && text_add(head, ",", 1) < 0) || text_int(head, b.view.shape[i]) < 0) goto fail;
     if (text_add(head, "],", 2) < 0 || text_int(head, b.view.len) < 0 || text_add(head, "]", 1) < 0) goto fail;
-    Py_ssize_t pad = (64 - *offset % 64) % 64;
+    Py_ssize_t pad = (WIRE_ALIGN - *offset % WIRE_ALIGN) % WIRE_ALIGN;
     if (pad) {
         PyObject *z = PyBytes_FromStringAndSize(zeros, pad);
         if (!z || PyList_Append(pieces, z) < 0) {
@@ -1246,19 +1256,9 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
             }
             o[4 + 2 * i] = PyTuple_GET_ITEM(entry, 2 + i);
         }
-        Buf bufs[NDENSE] = {0};
-        Dense d = {.scale = 1};
-        if (unpack_dense(o, 3 + 2 * nslots, bufs, &d) < 0) {
-            release(bufs, NDENSE);
-            goto fail;
-        }
-        uint32_t bad;
-        Py_BEGIN_ALLOW_THREADS FpMode fp = flush_subnormals();
-        bad = dense_update(opt, &d, h);
-        restore_fp(fp);
-        Py_END_ALLOW_THREADS
-        release(bufs, NDENSE);
-        if (bad) {
+        int finite = dense_pass(o, 3 + 2 * nslots, dense_loop(opt), h, 1);
+        if (finite < 0) goto fail;
+        if (!finite) {
             result = Py_NewRef(name);
             goto done;
         }
@@ -1300,8 +1300,10 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
         if (!ok) goto fail;
         first = 0;
     }
-    if (text_add(&head, "],\"align\":64}", 13) < 0) goto fail;
-    while ((4 + head.n) % 64)
+    char tail[32];
+    int tail_n = snprintf(tail, sizeof tail, "],\"align\":%d}", WIRE_ALIGN);
+    if (text_add(&head, tail, (size_t)tail_n) < 0) goto fail;
+    while ((4 + head.n) % WIRE_ALIGN)
         if (text_add(&head, " ", 1) < 0) goto fail;
     uint32_t hlen = (uint32_t)head.n; /* little-endian, as every machine this runs on */
     PyObject *length = PyBytes_FromStringAndSize((const char *)&hlen, 4), *text = PyBytes_FromStringAndSize(head.p, head.n);

@@ -277,13 +277,18 @@ class Shard:
             self.slots[name].update(slots)
         for name, (rows, values) in update.sparse.items():
             rows, values = sum_duplicates(rows, values)
-            snapshots = self._row_snapshots.get(name)
-            if snapshots:
-                snapshots[:] = [s for s in snapshots if not s.done]
-                for snap in snapshots:
-                    snap.before_update(rows)
+            for snap in self._reading(name):
+                snap.before_update(rows)
             self.optimizer.apply_rows(self.vars[name], self.slots[name], rows, values, t)
         self._applied(update, t0)
+
+    def _reading(self, name: str) -> list[RowSnapshot]:
+        """The checkpoints still reading table `name` (the caller holds self.cond): an update of
+        its rows must let each keep their old values first."""
+        snapshots = self._row_snapshots.get(name)
+        if snapshots:
+            snapshots[:] = [s for s in snapshots if not s.done]
+        return snapshots or []
 
     def _applied(self, update: Update, t0: float) -> None:
         """What follows an update applied since `t0`: the version, the counts, a checkpoint when due."""
@@ -351,20 +356,18 @@ class Shard:
                 self._close_sync_step()
         return False
 
+    def _reply_meta(self, version: int, clock: int, stale: bool = False, pending: bool = False) -> dict:
+        """A Step reply's meta, at `version` of this shard and the worker's `clock`."""
+        return {"version": version, "done": version >= self.steps, "workers": self.consistency.split_size(), "clock": clock,
+                "incarnation": self.incarnation, "stale": stale, "pending": pending}
+
     def _in_one_call(self, req: _Request, encoding: str) -> bool:
         """Whether `_apply_and_answer` takes this request: an async push of the usual shape, asking
         for the dense parameters back, with no checkpoint reading the tables (its RowSnapshots keep
         the rows an update changes) and not a retry of one applied before."""
-        if not (self._one_call and encoding == "pieces" and req.checked and req.has_grads and req.pull and req.want_dense
-                and not self.done and not self.consistency.applied(req.push)):
-            return False
-        for name in req.push.sparse:
-            snapshots = self._row_snapshots.get(name)
-            if snapshots:
-                snapshots[:] = [s for s in snapshots if not s.done]
-                if snapshots:
-                    return False
-        return True
+        return (self._one_call and encoding == "pieces" and req.checked and req.has_grads and req.pull and req.want_dense
+                and not self.done and not self.consistency.applied(req.push)
+                and not any(self._reading(name) for name in req.push.sparse))
 
     def _apply_and_answer(self, req: _Request) -> tuple[list, int]:
         """An async push applied and its reply encoded in one C call (_rows.apply_async): the
@@ -372,8 +375,7 @@ class Shard:
         the CPU. The reply's pieces and its size. Its apply time (tfps_ps_apply_seconds) counts the
         reply's rows read back and its header too: they are made in the same call."""
         push, t = req.push, self.version + 1
-        meta = {"version": t, "done": t >= self.steps, "workers": self.consistency.split_size(),
-                "clock": self.clocks[push.worker] + 1, "incarnation": self.incarnation, "stale": False, "pending": False}
+        meta = self._reply_meta(t, self.clocks[push.worker] + 1)  # as they will be once the push is applied
         t0 = time.perf_counter()
         opt, hyper = self.optimizer.kernel_args(t)
         out = _rows.apply_async(opt, hyper, self.optimizer.slot_names(), self.vars, self.slots, push.dense, push.sparse,
@@ -409,15 +411,7 @@ class Shard:
                 out = self._shared_reply[2]
                 self._count(self.metrics.bytes_out, _size(out))
                 return out
-            meta = {
-                "version": self.version,
-                "done": self.done,
-                "workers": self.consistency.split_size(),
-                "clock": 0 if shared else self.clocks[req.worker],
-                "incarnation": self.incarnation,
-                "stale": stale,
-                "pending": pending,
-            }
+            meta = self._reply_meta(self.version, 0 if shared else self.clocks[req.worker], stale, pending)
             tensors = self._read(req) if req.pull and not pending else {}
         # Serialise outside the lock: the tensors read above are copies (rows) or dense
         # arrays that updates replace rather than change.
