@@ -101,17 +101,17 @@ static void release(Buf *bufs, int n) {
         }
 }
 
-/* `obj` as a C-contiguous buffer of `ndim` dimensions whose items have the struct format `fmt`
-   ("f": float32, "q": int64); -1 with a TypeError when it is not. */
+/* `obj` as a C-contiguous buffer of `ndim` dimensions (any: -1) whose items have one of the struct
+   formats in `fmt` ("f": float32, "q": int64, "H": uint16); -1 with a TypeError when it is not. */
 static int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &b->view, flags) < 0) return -1;
     b->held = 1;
     const char *f = b->view.format ? b->view.format : "B";
     if (*f == '<' || *f == '=' || *f == '@') f++;
-    int same = strcmp(f, fmt) == 0 || (fmt[0] == 'q' && strcmp(f, "l") == 0 && sizeof(long) == 8);
+    int same = (f[0] && !f[1] && strchr(fmt, f[0])) || (strchr(fmt, 'q') && strcmp(f, "l") == 0 && sizeof(long) == 8);
     if (!same || (ndim >= 0 && b->view.ndim != ndim)) {
-        const char *type = fmt[0] == 'f' ? "float32" : fmt[0] == 'H' ? "uint16" : "int64";
+        const char *type = strcmp(fmt, "fq") == 0 ? "float32 or int64" : fmt[0] == 'f' ? "float32" : fmt[0] == 'H' ? "uint16" : "int64";
         if (ndim < 0)
             PyErr_Format(PyExc_TypeError, "%s: expected an array of %s, got format '%s'", what, type, f);
         else
@@ -901,6 +901,126 @@ static PyObject *view_at(PyObject *data, PyObject *dtype, Py_ssize_t n, Py_ssize
 
 #define DECLINE goto decline
 
+/* ---- a message's header, read ---------------------------------------------------------------
+   The readers below take what runtime/wire.py's `header` takes, for messages whose every tensor is
+   float32 or int64, and say 0 (decline) for anything else: the caller's Python then reads the
+   message and says what is wrong with it. */
+
+typedef struct {
+    PyObject *head;    /* the decoded JSON (a new reference) */
+    PyObject *meta;    /* borrowed from head */
+    PyObject *entries; /* borrowed from head */
+    Py_ssize_t align, start; /* the tensors' alignment; where the first may start */
+} Header;
+
+/* The header of the message in buf[0:len], a message of `total` bytes: 1 read, 0 declined, -1 an error. */
+static int read_head(const char *buf, Py_ssize_t len, Py_ssize_t total, Header *h) {
+    h->head = NULL;
+    if (len < 4) return 0;
+    uint32_t hlen;
+    memcpy(&hlen, buf, 4); /* little-endian, as every machine this runs on */
+    h->start = 4 + (Py_ssize_t)hlen;
+    if (h->start > len || h->start > total) return 0;
+    PyObject *text = PyBytes_FromStringAndSize(buf + 4, hlen);
+    if (!text) return -1;
+    PyObject *head = PyObject_CallOneArg(json_loads, text);
+    Py_DECREF(text);
+    if (!head) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!PyDict_CheckExact(head)) {
+        Py_DECREF(head);
+        return 0;
+    }
+    h->meta = PyDict_GetItemString(head, "meta");
+    h->entries = PyDict_GetItemString(head, "tensors");
+    PyObject *align_obj = PyDict_GetItemString(head, "align");
+    h->align = align_obj ? count_of(align_obj) : 1;
+    if (!h->meta || !PyDict_CheckExact(h->meta) || !h->entries || !PyList_CheckExact(h->entries) || h->align < 1 ||
+        h->align > 4096) {
+        Py_DECREF(head);
+        return 0;
+    }
+    h->head = head;
+    return 1;
+}
+
+/* One tensor's entry, [name, dtype, shape, nbytes]: its parts borrowed from the header. */
+typedef struct {
+    PyObject *name, *shape;
+    int is_float; /* float32, else int64 */
+    Py_ssize_t ndim, items, nbytes, dims[8];
+} Entry;
+
+/* 1 when `obj` is the entry of a float32 or int64 tensor whose bytes match its shape, else 0. */
+static int read_entry(PyObject *obj, Entry *t) {
+    if (!PyList_CheckExact(obj) || PyList_GET_SIZE(obj) != 4) return 0;
+    PyObject *wire_dtype = PyList_GET_ITEM(obj, 1);
+    t->name = PyList_GET_ITEM(obj, 0);
+    t->shape = PyList_GET_ITEM(obj, 2);
+    if (!PyUnicode_CheckExact(t->name) || !PyUnicode_CheckExact(wire_dtype) || !PyList_CheckExact(t->shape)) return 0;
+    t->is_float = PyUnicode_CompareWithASCIIString(wire_dtype, "float32") == 0;
+    if (!t->is_float && PyUnicode_CompareWithASCIIString(wire_dtype, "int64") != 0) return 0;
+    t->ndim = PyList_GET_SIZE(t->shape);
+    t->items = 1;
+    if (t->ndim > 8) return 0;
+    for (Py_ssize_t i = 0; i < t->ndim; i++) {
+        t->dims[i] = count_of(PyList_GET_ITEM(t->shape, i));
+        if (t->dims[i] < 0 || (t->dims[i] && t->items > PY_SSIZE_T_MAX / 8 / t->dims[i])) return 0;
+        t->items *= t->dims[i];
+    }
+    t->nbytes = count_of(PyList_GET_ITEM(obj, 3));
+    return t->nbytes == t->items * (t->is_float ? 4 : 8);
+}
+
+/* read_header(view, total) -> wire.header's (meta, places) for a message of `total` bytes whose
+   first bytes `view` holds, or None (wire.header then reads it). */
+static PyObject *read_header(PyObject *self, PyObject *args) {
+    PyObject *data;
+    Py_ssize_t total;
+    if (!PyArg_ParseTuple(args, "On", &data, &total)) return NULL;
+    if (parse_setup() < 0) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(data, &v, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *places = NULL, *result = NULL;
+    Header h;
+    int read = read_head(v.buf, v.len, total, &h);
+    if (read <= 0) {
+        PyBuffer_Release(&v);
+        return read < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    Py_ssize_t count = PyList_GET_SIZE(h.entries), offset = h.start;
+    if (!(places = PyList_New(count))) goto fail;
+    for (Py_ssize_t e = 0; e < count; e++) {
+        Entry t;
+        if (!read_entry(PyList_GET_ITEM(h.entries, e), &t)) DECLINE;
+        offset += (h.align - offset % h.align) % h.align;
+        if (offset > total || t.nbytes > total - offset) DECLINE;
+        PyObject *shape = PyTuple_New(t.ndim);
+        if (!shape) goto fail;
+        for (Py_ssize_t i = 0; i < t.ndim; i++) PyTuple_SET_ITEM(shape, i, Py_NewRef(PyList_GET_ITEM(t.shape, i)));
+        PyObject *place = Py_BuildValue("(OONnn)", t.name, t.is_float ? np_float32 : np_int64, shape, offset, t.nbytes);
+        if (!place) goto fail;
+        PyList_SET_ITEM(places, e, place);
+        offset += t.nbytes;
+    }
+    if (offset != total) DECLINE;
+    result = Py_BuildValue("(OO)", h.meta, places);
+    goto done;
+decline:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    Py_XDECREF(places);
+    Py_DECREF(h.head);
+    PyBuffer_Release(&v);
+    return result;
+}
+
+
 static PyObject *parse_request(PyObject *self, PyObject *args) {
     PyObject *data, *layout;
     int check_dense;
@@ -911,24 +1031,13 @@ static PyObject *parse_request(PyObject *self, PyObject *args) {
     PyObject *head = NULL, *dense = NULL, *sparse = NULL, *pulled = NULL, *indices = NULL, *result = NULL;
     const char *buf = v.buf;
     Py_ssize_t total = v.len;
-    if (total < 4) DECLINE;
-    uint32_t hlen;
-    memcpy(&hlen, buf, 4); /* little-endian, as every machine this runs on */
-    Py_ssize_t start = 4 + (Py_ssize_t)hlen;
-    if (start > total) DECLINE;
-    PyObject *text = PyBytes_FromStringAndSize(buf + 4, hlen);
-    if (!text) goto fail;
-    head = PyObject_CallOneArg(json_loads, text);
-    Py_DECREF(text);
-    if (!head) {
-        PyErr_Clear();
-        DECLINE;
-    }
-    if (!PyDict_CheckExact(head)) DECLINE;
-    PyObject *meta = PyDict_GetItemString(head, "meta"), *entries = PyDict_GetItemString(head, "tensors");
-    PyObject *align_obj = PyDict_GetItemString(head, "align");
-    Py_ssize_t align = align_obj ? count_of(align_obj) : 1;
-    if (!meta || !PyDict_CheckExact(meta) || !entries || !PyList_CheckExact(entries) || align < 1 || align > 4096) DECLINE;
+    Header h;
+    int read = read_head(buf, total, total, &h);
+    if (read < 0) goto fail;
+    if (!read) DECLINE;
+    head = h.head;
+    PyObject *meta = h.meta, *entries = h.entries;
+    Py_ssize_t align = h.align, start = h.start;
     dense = PyDict_New();
     sparse = PyDict_New();
     pulled = PyDict_New();
@@ -936,11 +1045,9 @@ static PyObject *parse_request(PyObject *self, PyObject *args) {
     if (!dense || !sparse || !pulled || !indices) goto fail;
     Py_ssize_t offset = start, count = PyList_GET_SIZE(entries);
     for (Py_ssize_t e = 0; e < count; e++) {
-        PyObject *entry = PyList_GET_ITEM(entries, e);
-        if (!PyList_CheckExact(entry) || PyList_GET_SIZE(entry) != 4) DECLINE;
-        PyObject *name = PyList_GET_ITEM(entry, 0), *wire_dtype = PyList_GET_ITEM(entry, 1);
-        PyObject *shape = PyList_GET_ITEM(entry, 2), *nbytes_obj = PyList_GET_ITEM(entry, 3);
-        PyObject *expect = PyUnicode_CheckExact(name) ? PyDict_GetItemWithError(layout, name) : NULL;
+        Entry t;
+        if (!read_entry(PyList_GET_ITEM(entries, e), &t)) DECLINE;
+        PyObject *name = t.name, *expect = PyDict_GetItemWithError(layout, name);
         if (!expect) {
             if (PyErr_Occurred()) goto fail;
             DECLINE;
@@ -948,19 +1055,9 @@ static PyObject *parse_request(PyObject *self, PyObject *args) {
         long kind;
         PyObject *part, *want;
         if (!PyArg_ParseTuple(expect, "lOO", &kind, &part, &want)) goto fail;
-        if (!PyUnicode_CheckExact(wire_dtype) || !PyList_CheckExact(shape)) DECLINE;
-        int is_float = PyUnicode_CompareWithASCIIString(wire_dtype, "float32") == 0;
-        if (!is_float && PyUnicode_CompareWithASCIIString(wire_dtype, "int64") != 0) DECLINE;
+        int is_float = t.is_float;
         if (is_float != (kind == 0 || kind == 2)) DECLINE;
-        Py_ssize_t ndim = PyList_GET_SIZE(shape), items = 1, dims[8];
-        if (ndim > 8) DECLINE;
-        for (Py_ssize_t i = 0; i < ndim; i++) {
-            dims[i] = count_of(PyList_GET_ITEM(shape, i));
-            if (dims[i] < 0 || (dims[i] && items > PY_SSIZE_T_MAX / 8 / dims[i])) DECLINE;
-            items *= dims[i];
-        }
-        Py_ssize_t nbytes = count_of(nbytes_obj);
-        if (nbytes != items * (is_float ? 4 : 8)) DECLINE;
+        Py_ssize_t ndim = t.ndim, items = t.items, nbytes = t.nbytes, *dims = t.dims;
         offset += (align - offset % align) % align;
         if (offset > total || nbytes > total - offset) DECLINE;
         const char *at = buf + offset;
@@ -1135,14 +1232,23 @@ typedef struct {
     Rows r;
 } RowJob;
 
-/* Append the reply tensor `arr` (named `name`) to `pieces` and its entry to `head`, after the
-   padding that starts it on an ALIGN boundary of the message's tensors (`offset`: their bytes so far). */
-static int reply_tensor(PyObject *pieces, Text *head, PyObject *name, PyObject *arr, Py_ssize_t *offset, int first) {
+/* Append the tensor `arr` (named `name`; float32, or int64 where `ints` allows it) to a message's
+   `pieces` and its entry to `head`, after the padding that starts it on an ALIGN boundary of the
+   message's tensors (`offset`: their bytes so far): its bytes as one memoryview (`as_bytes`, as
+   wire.pieces gives them) or as `arr` itself. 0, or -1 with an error set. */
+static int message_tensor(PyObject *pieces, Text *head, PyObject *name, PyObject *arr, Py_ssize_t *offset, int first,
+                          int ints, int as_bytes) {
     static const char zeros[WIRE_ALIGN] = {0};
     Buf b = {0};
-    if (get(arr, &b, "f", -1, 0, "reply tensor") < 0) goto fail;
+    PyObject *bytes = NULL;
+    if (get(arr, &b, ints ? "fq" : "f", -1, 0, "tensor") < 0) goto fail;
+    if (!b.view.ndim && as_bytes) {
+        PyErr_SetString(PyExc_TypeError, "tensor: a 0-d array"); /* wire.pieces sends its bytes its own way */
+        goto fail;
+    }
+    int is_float = b.view.itemsize == 4;
     if ((!first && text_add(head, ",", 1) < 0) || text_add(head, "[", 1) < 0 || text_str(head, name) < 0 ||
-        text_add(head, ",\"float32\",[", 12) < 0)
+        text_add(head, is_float ? ",\"float32\",[" : ",\"int64\",[", is_float ? 12 : 10) < 0)
         goto fail;
     for (int i = 0; i < b.view.ndim; i++)
         if ((i && text_add(head, ",", 1) < 0) || text_int(head, b.view.shape[i]) < 0) goto fail;
@@ -1156,13 +1262,78 @@ static int reply_tensor(PyObject *pieces, Text *head, PyObject *name, PyObject *
         }
         Py_DECREF(z);
     }
-    if (b.view.len && PyList_Append(pieces, arr) < 0) goto fail;
+    if (b.view.len) {
+        PyObject *view = as_bytes ? PyMemoryView_FromObject(arr) : NULL;
+        bytes = as_bytes ? (view ? PyObject_CallMethod(view, "cast", "s", "B") : NULL) : Py_NewRef(arr);
+        Py_XDECREF(view);
+        if (!bytes || PyList_Append(pieces, bytes) < 0) goto fail;
+    }
     *offset += pad + b.view.len;
+    Py_XDECREF(bytes);
     release(&b, 1);
     return 0;
 fail:
+    Py_XDECREF(bytes);
     release(&b, 1);
     return -1;
+}
+
+/* The header's start: `{"meta":<meta>,"tensors":[` (meta: JSON bytes). */
+static int head_start(Text *head, PyObject *meta) {
+    return text_add(head, "{\"meta\":", 8) < 0 || text_add(head, PyBytes_AS_STRING(meta), PyBytes_GET_SIZE(meta)) < 0 ||
+                   text_add(head, ",\"tensors\":[", 12) < 0
+               ? -1
+               : 0;
+}
+
+/* The header's end, its padding and its length put before it in `pieces`: 0, or -1 with an error set. */
+static int head_finish(PyObject *pieces, Text *head) {
+    char tail[32];
+    int tail_n = snprintf(tail, sizeof tail, "],\"align\":%d}", WIRE_ALIGN);
+    if (text_add(head, tail, (size_t)tail_n) < 0) return -1;
+    while ((4 + head->n) % WIRE_ALIGN)
+        if (text_add(head, " ", 1) < 0) return -1;
+    uint32_t hlen = (uint32_t)head->n; /* little-endian, as every machine this runs on */
+    PyObject *length = PyBytes_FromStringAndSize((const char *)&hlen, 4), *text = PyBytes_FromStringAndSize(head->p, head->n);
+    int framed = length && text && PyList_Insert(pieces, 0, text) == 0 && PyList_Insert(pieces, 0, length) == 0;
+    Py_XDECREF(length);
+    Py_XDECREF(text);
+    return framed ? 0 : -1;
+}
+
+/* encode_message(meta, tensors) -> wire.pieces' output for a message whose tensors are all NumPy
+   arrays (the type itself), C-contiguous, of at least one dimension, float32 or int64, and whose
+   names are strings; None for any other (wire.pieces then encodes it). meta: its JSON. */
+static PyObject *encode_message(PyObject *self, PyObject *args) {
+    PyObject *meta, *tensors;
+    if (!PyArg_ParseTuple(args, "SO!", &meta, &PyDict_Type, &tensors)) return NULL;
+    if (parse_setup() < 0) return NULL;
+    PyObject *pieces = PyList_New(0), *name, *arr, *result = NULL;
+    Text head = {0};
+    Py_ssize_t pos = 0, offset = 0;
+    if (!pieces || head_start(&head, meta) < 0) goto fail;
+    for (int first = 1; PyDict_Next(tensors, &pos, &name, &arr); first = 0) {
+        if (!PyUnicode_CheckExact(name) || Py_TYPE(arr) != (PyTypeObject *)np_ndarray) DECLINE;
+        if (message_tensor(pieces, &head, name, arr, &offset, first, 1, 1) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
+                !PyErr_ExceptionMatches(PyExc_BufferError))
+                goto fail;
+            PyErr_Clear(); /* not contiguous, or of another dtype */
+            DECLINE;
+        }
+    }
+    if (head_finish(pieces, &head) < 0) goto fail;
+    result = Py_NewRef(pieces);
+    goto done;
+decline:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail:
+    result = NULL;
+done:
+    PyMem_Free(head.p);
+    Py_XDECREF(pieces);
+    return result;
 }
 
 /* A new (k, d) float32 array of the `rows` of 2-D `table`. */
@@ -1275,16 +1446,14 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
     Py_ssize_t offset = 0;
     int first = 1;
     pieces = PyList_New(0);
-    if (!pieces || text_add(&head, "{\"meta\":", 8) < 0 || text_add(&head, PyBytes_AS_STRING(meta), PyBytes_GET_SIZE(meta)) < 0 ||
-        text_add(&head, ",\"tensors\":[", 12) < 0)
-        goto fail;
+    if (!pieces || head_start(&head, meta) < 0) goto fail;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(reply_dense); i++, first = 0) {
         PyObject *part = PyTuple_GET_ITEM(reply_dense, i), *arr = PyDict_GetItemWithError(vars, part);
         if (!arr) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a dense part to reply the shard does not hold");
             goto fail;
         }
-        if (reply_tensor(pieces, &head, part, arr, &offset, first) < 0) goto fail;
+        if (message_tensor(pieces, &head, part, arr, &offset, first, 0, 0) < 0) goto fail;
     }
     pos = 0;
     while (PyDict_Next(rows, &pos, &name, &value)) {
@@ -1294,23 +1463,13 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
             goto fail;
         }
         PyObject *out = gathered(table, value), *key = out ? PyUnicode_FromFormat("%U:rows", name) : NULL;
-        int ok = key && reply_tensor(pieces, &head, key, out, &offset, first) == 0;
+        int ok = key && message_tensor(pieces, &head, key, out, &offset, first, 0, 0) == 0;
         Py_XDECREF(out);
         Py_XDECREF(key);
         if (!ok) goto fail;
         first = 0;
     }
-    char tail[32];
-    int tail_n = snprintf(tail, sizeof tail, "],\"align\":%d}", WIRE_ALIGN);
-    if (text_add(&head, tail, (size_t)tail_n) < 0) goto fail;
-    while ((4 + head.n) % WIRE_ALIGN)
-        if (text_add(&head, " ", 1) < 0) goto fail;
-    uint32_t hlen = (uint32_t)head.n; /* little-endian, as every machine this runs on */
-    PyObject *length = PyBytes_FromStringAndSize((const char *)&hlen, 4), *text = PyBytes_FromStringAndSize(head.p, head.n);
-    int framed = length && text && PyList_Insert(pieces, 0, text) == 0 && PyList_Insert(pieces, 0, length) == 0;
-    Py_XDECREF(length);
-    Py_XDECREF(text);
-    if (!framed) goto fail;
+    if (head_finish(pieces, &head) < 0) goto fail;
     result = Py_BuildValue("(On)", pieces, (Py_ssize_t)(4 + head.n) + offset);
     goto done;
 fail:
@@ -1341,13 +1500,15 @@ static PyMethodDef methods[] = {
     {"dense_adagrad", dense_adagrad, METH_VARARGS, "dense_adagrad(var, grad, out, accum, accum_out, lr, eps[, plus, scale])"},
     {"to_bfloat16", to_bfloat16, METH_VARARGS, "to_bfloat16(float32 array, uint16 array): its bfloat16 bits, rounded to nearest even"},
     {"from_bfloat16", from_bfloat16, METH_VARARGS, "from_bfloat16(uint16 array of bfloat16 bits, float32 array)"},
+    {"read_header", read_header, METH_VARARGS, "read_header(view, total) -> wire.header's (meta, places), or None"},
+    {"encode_message", encode_message, METH_VARARGS, "encode_message(meta JSON, tensors) -> wire.pieces' output, or None"},
     {"parse_request", parse_request, METH_VARARGS, "parse_request(data, layout, check_dense) -> (meta, dense, sparse, rows), or None"},
     {"apply_async", apply_async, METH_VARARGS,
      "apply_async(opt, h, slot_names, vars, slots, dense, sparse, rows, reply_dense, meta) -> (pieces, nbytes), or the name of a non-finite dense gradient"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "A PS's update kernels, a worker's id numbering and row sums (runtime/_rows.c).", -1,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "A PS's update kernels, a worker's id numbering and row sums, the wire's framing (runtime/_rows.c).", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__rows(void) { return PyModule_Create(&module); }
