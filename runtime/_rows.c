@@ -101,8 +101,11 @@ static void release(Buf *bufs, int n) {
         }
 }
 
-/* `obj` as a C-contiguous buffer of `ndim` dimensions (any: -1) whose items have one of the struct
-   formats in `fmt` ("f": float32, "q": int64, "H": uint16); -1 with a TypeError when it is not. */
+/* The NumPy name of the struct format `f` ("f", "q" or "H"). */
+static const char *type_name(char f) { return f == 'f' ? "float32" : f == 'H' ? "uint16" : "int64"; }
+
+/* `obj` as a C-contiguous buffer of `ndim` dimensions (any: -1) whose items have one of the (one or
+   two) struct formats in `fmt` ("f": float32, "q": int64, "H": uint16); -1 with a TypeError when it is not. */
 static int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, &b->view, flags) < 0) return -1;
@@ -111,12 +114,12 @@ static int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, c
     if (*f == '<' || *f == '=' || *f == '@') f++;
     int same = (f[0] && !f[1] && strchr(fmt, f[0])) || (strchr(fmt, 'q') && strcmp(f, "l") == 0 && sizeof(long) == 8);
     if (!same || (ndim >= 0 && b->view.ndim != ndim)) {
-        const char *type = strcmp(fmt, "fq") == 0 ? "float32 or int64" : fmt[0] == 'f' ? "float32" : fmt[0] == 'H' ? "uint16" : "int64";
+        const char *type = type_name(fmt[0]), *sep = fmt[1] ? " or " : "", *other = fmt[1] ? type_name(fmt[1]) : "";
         if (ndim < 0)
-            PyErr_Format(PyExc_TypeError, "%s: expected an array of %s, got format '%s'", what, type, f);
+            PyErr_Format(PyExc_TypeError, "%s: expected an array of %s%s%s, got format '%s'", what, type, sep, other, f);
         else
-            PyErr_Format(PyExc_TypeError, "%s: expected a %d-D array of %s, got %d-D of format '%s'", what, ndim, type,
-                         b->view.ndim, f);
+            PyErr_Format(PyExc_TypeError, "%s: expected a %d-D array of %s%s%s, got %d-D of format '%s'", what, ndim, type,
+                         sep, other, b->view.ndim, f);
         return -1;
     }
     return 0;
@@ -1232,16 +1235,16 @@ typedef struct {
     Rows r;
 } RowJob;
 
-/* Append the tensor `arr` (named `name`; float32, or int64 where `ints` allows it) to a message's
-   `pieces` and its entry to `head`, after the padding that starts it on an ALIGN boundary of the
-   message's tensors (`offset`: their bytes so far): its bytes as one memoryview (`as_bytes`, as
-   wire.pieces gives them) or as `arr` itself. 0, or -1 with an error set. */
+/* Append the tensor `arr` (named `name`; float32 or int64) to a message's `pieces` and its entry to
+   `head`, after the padding that starts it on an ALIGN boundary of the message's tensors (`offset`:
+   their bytes so far): its bytes as one flat memoryview (`as_bytes`, as wire.pieces gives them) or
+   as `arr` itself (a reply that only a socket sends). 0, or -1 with an error set. */
 static int message_tensor(PyObject *pieces, Text *head, PyObject *name, PyObject *arr, Py_ssize_t *offset, int first,
-                          int ints, int as_bytes) {
+                          int as_bytes) {
     static const char zeros[WIRE_ALIGN] = {0};
     Buf b = {0};
     PyObject *bytes = NULL;
-    if (get(arr, &b, ints ? "fq" : "f", -1, 0, "tensor") < 0) goto fail;
+    if (get(arr, &b, "fq", -1, 0, "tensor") < 0) goto fail;
     if (!b.view.ndim && as_bytes) {
         PyErr_SetString(PyExc_TypeError, "tensor: a 0-d array"); /* wire.pieces sends its bytes its own way */
         goto fail;
@@ -1314,7 +1317,7 @@ static PyObject *encode_message(PyObject *self, PyObject *args) {
     if (!pieces || head_start(&head, meta) < 0) goto fail;
     for (int first = 1; PyDict_Next(tensors, &pos, &name, &arr); first = 0) {
         if (!PyUnicode_CheckExact(name) || Py_TYPE(arr) != (PyTypeObject *)np_ndarray) DECLINE;
-        if (message_tensor(pieces, &head, name, arr, &offset, first, 1, 1) < 0) {
+        if (message_tensor(pieces, &head, name, arr, &offset, first, 1) < 0) {
             if (!PyErr_ExceptionMatches(PyExc_TypeError) && !PyErr_ExceptionMatches(PyExc_ValueError) &&
                 !PyErr_ExceptionMatches(PyExc_BufferError))
                 goto fail;
@@ -1453,7 +1456,7 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a dense part to reply the shard does not hold");
             goto fail;
         }
-        if (message_tensor(pieces, &head, part, arr, &offset, first, 0, 0) < 0) goto fail;
+        if (message_tensor(pieces, &head, part, arr, &offset, first, 0) < 0) goto fail;
     }
     pos = 0;
     while (PyDict_Next(rows, &pos, &name, &value)) {
@@ -1463,7 +1466,7 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
             goto fail;
         }
         PyObject *out = gathered(table, value), *key = out ? PyUnicode_FromFormat("%U:rows", name) : NULL;
-        int ok = key && message_tensor(pieces, &head, key, out, &offset, first, 0, 0) == 0;
+        int ok = key && message_tensor(pieces, &head, key, out, &offset, first, 0) == 0;
         Py_XDECREF(out);
         Py_XDECREF(key);
         if (!ok) goto fail;
