@@ -278,76 +278,14 @@ static inline void adagrad_row(Out w, Out a, In g, Py_ssize_t d, float lr, float
     }
 }
 
-/* Each update over a request's rows (FOR_EACH_ROW), built for each instruction set (SIMD). */
+/* Each update over a request's rows (FOR_EACH_ROW), built for each instruction set (SIMD):
+   SGD w -= g*lr; momentum a = a*mu + g, w -= a*lr; Adam, rate = lr*sqrt(1-b2^t)/(1-b1^t),
+   m = m*b1 + g*(1-b1), v = v*b2 + g²*(1-b2), w -= m/(sqrt(v)+eps)*rate; Adagrad a = g² + a,
+   w -= g/(sqrt(a)+eps)*lr. */
 static SIMD void sgd_rows(Rows r, float lr) { FOR_EACH_ROW(sgd_row(w, g, r.d, lr)); }
 static SIMD void momentum_rows(Rows r, float lr, float mu) { FOR_EACH_ROW(momentum_row(w, a, g, r.d, lr, mu)); }
 static SIMD void adam_rows(Rows r, float b1, float b2, float rate, float eps) { FOR_EACH_ROW(adam_row(w, a, b, g, r.d, b1, b2, rate, eps)); }
 static SIMD void adagrad_rows(Rows r, float lr, float eps) { FOR_EACH_ROW(adagrad_row(w, a, g, r.d, lr, eps)); }
-
-/* sgd(table, rows, grad, lr): w -= g*lr */
-static PyObject *sgd(PyObject *self, PyObject *args) {
-    PyObject *var, *rows, *grad;
-    float lr;
-    Buf bufs[NBUFS] = {0};
-    Rows r;
-    if (!PyArg_ParseTuple(args, "OOOf", &var, &rows, &grad, &lr)) return NULL;
-    if (unpack(var, NULL, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    sgd_rows(r, lr);
-    release(bufs, NBUFS);
-    Py_RETURN_NONE;
-fail:
-    release(bufs, NBUFS);
-    return NULL;
-}
-
-/* momentum(table, accum, rows, grad, lr, mu): a = a*mu + g; w -= a*lr */
-static PyObject *momentum(PyObject *self, PyObject *args) {
-    PyObject *var, *acc, *rows, *grad;
-    float lr, mu;
-    Buf bufs[NBUFS] = {0};
-    Rows r;
-    if (!PyArg_ParseTuple(args, "OOOOff", &var, &acc, &rows, &grad, &lr, &mu)) return NULL;
-    if (unpack(var, acc, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    momentum_rows(r, lr, mu);
-    release(bufs, NBUFS);
-    Py_RETURN_NONE;
-fail:
-    release(bufs, NBUFS);
-    return NULL;
-}
-
-/* adam(table, m, v, rows, grad, b1, b2, rate, eps), rate = lr*sqrt(1-b2^t)/(1-b1^t):
-   m = m*b1 + g*(1-b1); v = v*b2 + g²*(1-b2); w -= m/(sqrt(v)+eps)*rate */
-static PyObject *adam(PyObject *self, PyObject *args) {
-    PyObject *var, *m, *v, *rows, *grad;
-    float b1, b2, rate, eps;
-    Buf bufs[NBUFS] = {0};
-    Rows r;
-    if (!PyArg_ParseTuple(args, "OOOOOffff", &var, &m, &v, &rows, &grad, &b1, &b2, &rate, &eps)) return NULL;
-    if (unpack(var, m, v, rows, grad, bufs, &r) < 0) goto fail;
-    adam_rows(r, b1, b2, rate, eps);
-    release(bufs, NBUFS);
-    Py_RETURN_NONE;
-fail:
-    release(bufs, NBUFS);
-    return NULL;
-}
-
-/* adagrad(table, accum, rows, grad, lr, eps): a = g² + a; w -= g/(sqrt(a)+eps)*lr */
-static PyObject *adagrad(PyObject *self, PyObject *args) {
-    PyObject *var, *acc, *rows, *grad;
-    float lr, eps;
-    Buf bufs[NBUFS] = {0};
-    Rows r;
-    if (!PyArg_ParseTuple(args, "OOOOff", &var, &acc, &rows, &grad, &lr, &eps)) return NULL;
-    if (unpack(var, acc, NULL, rows, grad, bufs, &r) < 0) goto fail;
-    adagrad_rows(r, lr, eps);
-    release(bufs, NBUFS);
-    Py_RETURN_NONE;
-fail:
-    release(bufs, NBUFS);
-    return NULL;
-}
 
 /* A dense update's arguments: n floats each of the variable, its slots (up to two) and the
    gradient, read; and of the new variable and new slots, written. A dense update leaves the
@@ -482,47 +420,6 @@ static int dense_pass(PyObject **objs, int nobjs, DenseLoop loop, const float *h
     release(bufs, NDENSE);
     return !bad;
 }
-
-static PyObject *run_dense(PyObject **objs, int nobjs, DenseLoop loop, const float *h, float scale) {
-    int finite = dense_pass(objs, nobjs, loop, h, scale);
-    return finite < 0 ? NULL : PyBool_FromLong(finite);
-}
-
-/* Every dense update ends with the optional (plus=None, scale=1.0) and returns whether the
-   gradient it applied was finite (no NaN, no Inf): when it was not, its new arrays are not to be used. */
-
-/* dense_sgd(var, grad, out, lr) */
-static PyObject *dense_sgd(PyObject *self, PyObject *args) {
-    PyObject *o[NDENSE] = {0};
-    float h[4], scale = 1;
-    if (!PyArg_ParseTuple(args, "OOOf|Of", &o[0], &o[1], &o[2], &h[0], &o[PLUS], &scale)) return NULL;
-    return run_dense(o, 3, sgd_loop, h, scale);
-}
-
-/* The dense updates with one slot and two hyperparameters (momentum, adagrad):
-   (var, grad, out, slot, slot_out, h0, h1). */
-static PyObject *one_slot(PyObject *args, DenseLoop loop) {
-    PyObject *o[NDENSE] = {0};
-    float h[4], scale = 1;
-    if (!PyArg_ParseTuple(args, "OOOOOff|Of", &o[0], &o[1], &o[2], &o[3], &o[4], &h[0], &h[1], &o[PLUS], &scale)) return NULL;
-    return run_dense(o, 5, loop, h, scale);
-}
-
-/* dense_momentum(var, grad, out, accum, accum_out, lr, mu) */
-static PyObject *dense_momentum(PyObject *self, PyObject *args) { return one_slot(args, momentum_loop); }
-
-/* dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps) */
-static PyObject *dense_adam(PyObject *self, PyObject *args) {
-    PyObject *o[NDENSE] = {0};
-    float h[4], scale = 1;
-    if (!PyArg_ParseTuple(args, "OOOOOOOffff|Of", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &h[0], &h[1], &h[2], &h[3],
-                          &o[PLUS], &scale))
-        return NULL;
-    return run_dense(o, 7, adam_loop, h, scale);
-}
-
-/* dense_adagrad(var, grad, out, accum, accum_out, lr, eps) */
-static PyObject *dense_adagrad(PyObject *self, PyObject *args) { return one_slot(args, adagrad_loop); }
 
 /* take(table, rows, out): out[i] = table[rows[i]], the rows asked for ahead (a reply's rows;
    NumPy's take waits for each row's cache misses in turn). Rows must be inside the table. */
@@ -1127,10 +1024,10 @@ done:
    the push of a request that parse_request took (its rows strictly increasing and inside their
    tables, every gradient float32, the rows' finite) and encodes the reply, as runtime/ps.py's
    Shard does it in Python for every other request: the same float operations on the same arrays,
-   the same bytes back. opt: 0 SGD, 1 momentum, 2 Adam, 3 Adagrad; h: its hyperparameters, in the
-   order of its kernels' arguments (Adam's rate for this update); slot_names: the optimizer's
-   slots, in its kernels' order; vars: {part: array}, slots: {part: {slot: array}} (the shard's
-   own dicts: each dense part's new arrays replace its old there, its tables change in place);
+   the same bytes back. opt, h, slot_names: the optimizer by number, its hyperparameters (Adam's
+   rate for this update) and its slots (below); vars: {part: array}, slots: {part: {slot: array}}
+   (the shard's own dicts: each dense part's new arrays replace its old there, its tables change
+   in place);
    dense, sparse, rows: parse_request's; reply_dense: the dense parts to send back, in order;
    meta: the reply's meta as JSON. Nothing changes until every dense gradient is known finite:
    the name of the first that is not comes back instead. Else (pieces, nbytes): the reply as
@@ -1157,26 +1054,6 @@ static int apply_setup(void) {
         return -1;
     }
     return 0;
-}
-
-static const int SLOTS_OF[4] = {0, 1, 2, 1};
-
-static DenseLoop dense_loop(int opt) {
-    switch (opt) {
-    case 0: return sgd_loop;
-    case 1: return momentum_loop;
-    case 2: return adam_loop;
-    default: return adagrad_loop;
-    }
-}
-
-static void rows_update(int opt, Rows r, const float *h) {
-    switch (opt) {
-    case 0: sgd_rows(r, h[0]); break;
-    case 1: momentum_rows(r, h[0], h[1]); break;
-    case 2: adam_rows(r, h[0], h[1], h[2], h[3]); break;
-    default: adagrad_rows(r, h[0], h[1]); break;
-    }
 }
 
 /* A reply's header, written as orjson writes it. */
@@ -1234,6 +1111,130 @@ typedef struct {
     Buf bufs[NBUFS];
     Rows r;
 } RowJob;
+
+/* ---- the optimizers by number ---------------------------------------------------------------
+   As update_dense, update_rows and apply_async take them (runtime/optimizers.py's kernel_args):
+   0 SGD, 1 momentum, 2 Adam, 3 Adagrad, each with its hyperparameters h in its kernels' order (SGD
+   lr; momentum lr, mu; Adam b1, b2, rate, eps; Adagrad lr, eps) and this many slots, whose names
+   come in its kernels' order. */
+static const int SLOTS_OF[4] = {0, 1, 2, 1};
+
+static DenseLoop dense_loop(int opt) {
+    switch (opt) {
+    case 0: return sgd_loop;
+    case 1: return momentum_loop;
+    case 2: return adam_loop;
+    default: return adagrad_loop;
+    }
+}
+
+static void rows_update(int opt, Rows r, const float *h) {
+    switch (opt) {
+    case 0: sgd_rows(r, h[0]); break;
+    case 1: momentum_rows(r, h[0], h[1]); break;
+    case 2: adam_rows(r, h[0], h[1], h[2], h[3]); break;
+    default: adagrad_rows(r, h[0], h[1]); break;
+    }
+}
+
+/* 0 when `opt` is an optimizer and `slots` (a tuple) holds as many things as it has slots; else -1 with a ValueError. */
+static int optimizer_slots(int opt, PyObject *slots, const char *what) {
+    if (opt < 0 || opt > 3 || PyTuple_GET_SIZE(slots) != SLOTS_OF[opt]) {
+        PyErr_Format(PyExc_ValueError, "%s: an optimizer 0..3 and a tuple of its slots", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* The arrays of the slots `slot_names` in `mine` ({slot name: array}) into s; -1 with an error set. */
+static int slot_arrays(PyObject *slot_names, PyObject *mine, PyObject **s) {
+    if (!PyDict_Check(mine)) {
+        PyErr_SetString(PyExc_TypeError, "a part's slots: a dict of arrays by slot name");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slot_names); i++)
+        if (!(s[i] = PyDict_GetItemWithError(mine, PyTuple_GET_ITEM(slot_names, i)))) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_KeyError, "no slot %R", PyTuple_GET_ITEM(slot_names, i));
+            return -1;
+        }
+    return 0;
+}
+
+/* A table's update, its arrays (the table, its slots `mine`, the rows and their gradients)
+   checked by unpack and held in `job` until it is done: -1 with an error set (the caller
+   releases job->bufs either way). */
+static int row_job(PyObject *slot_names, PyObject *var, PyObject *mine, PyObject *rows, PyObject *grad, RowJob *job) {
+    PyObject *s[2] = {NULL, NULL};
+    if (slot_arrays(slot_names, mine, s) < 0) return -1;
+    return unpack(var, s[0], s[1], rows, grad, job->bufs, &job->r);
+}
+
+/* One dense part's update into new arrays: `var` and its slots (`mine`) with the gradient
+   (grad + plus) * scale (plus: NULL or None for none). *out: the new variable, *fresh: {slot
+   name: its new array} (new references). 1 when the gradient was finite, 0 when not (its new
+   arrays are then not to be used), -1 with an error set. */
+static int dense_part(int opt, const float *h, PyObject *slot_names, PyObject *var, PyObject *mine, PyObject *grad,
+                      PyObject *plus, float scale, PyObject **out, PyObject **fresh) {
+    PyObject *o[NDENSE] = {var, grad}, *s[2] = {NULL, NULL}, *made[2] = {NULL, NULL};
+    int finite = -1;
+    *out = *fresh = NULL;
+    if (slot_arrays(slot_names, mine, s) < 0 || !(*out = PyObject_CallOneArg(np_empty_like, var)) || !(*fresh = PyDict_New()))
+        goto done;
+    o[2] = *out;
+    o[PLUS] = plus;
+    for (int i = 0; i < SLOTS_OF[opt]; i++) {
+        if (!(made[i] = PyObject_CallOneArg(np_empty_like, var)) ||
+            PyDict_SetItem(*fresh, PyTuple_GET_ITEM(slot_names, i), made[i]) < 0)
+            goto done;
+        o[3 + 2 * i] = s[i];
+        o[4 + 2 * i] = made[i];
+    }
+    finite = dense_pass(o, 3 + 2 * SLOTS_OF[opt], dense_loop(opt), h, scale);
+done:
+    Py_XDECREF(made[0]); /* held by *fresh from here */
+    Py_XDECREF(made[1]);
+    if (finite < 0) {
+        Py_CLEAR(*out);
+        Py_CLEAR(*fresh);
+    }
+    return finite;
+}
+
+/* update_dense(opt, h, slot_names, var, slots, grad[, plus, scale]) -> (finite, new var, {slot:
+   new array}): the optimizer's update of a dense part (slots: {slot name: array}) with the gradient
+   (grad + plus) * scale, a sync step's mean made in the same pass (the other workers' sum, the last
+   worker's gradient, 1/n). The given arrays are left as they were (a reply or a checkpoint may be
+   reading them); `finite`: the gradient had no NaN and no Inf (if not, the new arrays are not to be
+   used). */
+static PyObject *update_dense(PyObject *self, PyObject *args) {
+    int opt;
+    float h[4], scale = 1;
+    PyObject *slot_names, *var, *mine, *grad, *plus = NULL, *out, *fresh;
+    if (!PyArg_ParseTuple(args, "i(ffff)O!OOO|Of", &opt, &h[0], &h[1], &h[2], &h[3], &PyTuple_Type, &slot_names, &var, &mine,
+                          &grad, &plus, &scale))
+        return NULL;
+    if (optimizer_slots(opt, slot_names, "update_dense") < 0 || apply_setup() < 0) return NULL;
+    int finite = dense_part(opt, h, slot_names, var, mine, grad, plus, scale, &out, &fresh);
+    return finite < 0 ? NULL : Py_BuildValue("(ONN)", finite ? Py_True : Py_False, out, fresh);
+}
+
+/* update_rows(opt, h, slot_names, table, slots, rows, grad): the optimizer's update of the `rows`
+   (int64, each once, inside the table) of `table` and of its slots ({slot name: array}), in place,
+   with their gradients (a row each). */
+static PyObject *update_rows(PyObject *self, PyObject *args) {
+    int opt;
+    float h[4];
+    PyObject *slot_names, *var, *mine, *rows, *grad;
+    if (!PyArg_ParseTuple(args, "i(ffff)O!OOOO", &opt, &h[0], &h[1], &h[2], &h[3], &PyTuple_Type, &slot_names, &var, &mine,
+                          &rows, &grad))
+        return NULL;
+    if (optimizer_slots(opt, slot_names, "update_rows") < 0) return NULL;
+    RowJob job = {0};
+    int ok = row_job(slot_names, var, mine, rows, grad, &job) == 0;
+    if (ok) rows_update(opt, job.r, h);
+    release(job.bufs, NBUFS);
+    return ok ? Py_NewRef(Py_None) : NULL;
+}
 
 /* Append the tensor `arr` (named `name`; float32 or int64) to a message's `pieces` and its entry to
    `head`, after the padding that starts it on an ALIGN boundary of the message's tensors (`offset`:
@@ -1368,12 +1369,8 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
                           &PyDict_Type, &vars, &PyDict_Type, &slots, &PyDict_Type, &dense, &PyDict_Type, &sparse,
                           &PyDict_Type, &rows, &PyTuple_Type, &reply_dense, &meta))
         return NULL;
-    if (opt < 0 || opt > 3 || PyTuple_GET_SIZE(slot_names) != SLOTS_OF[opt]) {
-        PyErr_SetString(PyExc_ValueError, "apply_async: an optimizer 0..3 and its slots' names");
-        return NULL;
-    }
+    if (optimizer_slots(opt, slot_names, "apply_async") < 0) return NULL;
     if (apply_setup() < 0) return NULL;
-    const int nslots = SLOTS_OF[opt];
     Py_ssize_t njobs = PyDict_GET_SIZE(sparse), done_jobs = 0;
     RowJob *jobs = PyMem_Calloc(njobs ? njobs : 1, sizeof(RowJob));
     PyObject *made = PyList_New(0), *pieces = NULL, *result = NULL;
@@ -1392,14 +1389,7 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "apply_async: a table's (indices, values) the shard holds");
             goto fail;
         }
-        PyObject *s[2] = {NULL, NULL};
-        for (int i = 0; i < nslots; i++)
-            if (!(s[i] = PyDict_GetItemWithError(mine, PyTuple_GET_ITEM(slot_names, i)))) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a slot the table lacks");
-                goto fail;
-            }
-        RowJob *job = &jobs[done_jobs++];
-        if (unpack(var, s[0], s[1], PyTuple_GET_ITEM(value, 0), PyTuple_GET_ITEM(value, 1), job->bufs, &job->r) < 0) goto fail;
+        if (row_job(slot_names, var, mine, PyTuple_GET_ITEM(value, 0), PyTuple_GET_ITEM(value, 1), &jobs[done_jobs++]) < 0) goto fail;
     }
 
     /* each dense part's new arrays, kept only once every gradient is known finite */
@@ -1410,38 +1400,22 @@ static PyObject *apply_async(PyObject *self, PyObject *args) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a dense part the shard does not hold");
             goto fail;
         }
-        PyObject *entry = PyTuple_New(2 + nslots);
-        if (!entry) goto fail;
-        int appended = PyList_Append(made, entry);
-        Py_DECREF(entry);
+        PyObject *out, *fresh;
+        int finite = dense_part(opt, h, slot_names, var, mine, value, NULL, 1, &out, &fresh);
+        PyObject *entry = finite < 0 ? NULL : Py_BuildValue("(ONN)", name, out, fresh);
+        int appended = entry ? PyList_Append(made, entry) : -1;
+        Py_XDECREF(entry);
         if (appended < 0) goto fail;
-        PyTuple_SET_ITEM(entry, 0, Py_NewRef(name));
-        PyObject *o[NDENSE] = {var, value};
-        for (int i = 0; i <= nslots; i++) {
-            PyObject *fresh = PyObject_CallOneArg(np_empty_like, var);
-            if (!fresh) goto fail;
-            PyTuple_SET_ITEM(entry, 1 + i, fresh);
-        }
-        o[2] = PyTuple_GET_ITEM(entry, 1);
-        for (int i = 0; i < nslots; i++) {
-            if (!(o[3 + 2 * i] = PyDict_GetItemWithError(mine, PyTuple_GET_ITEM(slot_names, i)))) {
-                if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "apply_async: a slot the part lacks");
-                goto fail;
-            }
-            o[4 + 2 * i] = PyTuple_GET_ITEM(entry, 2 + i);
-        }
-        int finite = dense_pass(o, 3 + 2 * nslots, dense_loop(opt), h, 1);
-        if (finite < 0) goto fail;
         if (!finite) {
             result = Py_NewRef(name);
             goto done;
         }
     }
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(made); i++) {
-        PyObject *entry = PyList_GET_ITEM(made, i), *mine = PyDict_GetItem(slots, PyTuple_GET_ITEM(entry, 0));
-        if (PyDict_SetItem(vars, PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1)) < 0) goto fail;
-        for (int s = 0; s < nslots; s++)
-            if (PyDict_SetItem(mine, PyTuple_GET_ITEM(slot_names, s), PyTuple_GET_ITEM(entry, 2 + s)) < 0) goto fail;
+        PyObject *entry = PyList_GET_ITEM(made, i), *part = PyTuple_GET_ITEM(entry, 0);
+        if (PyDict_SetItem(vars, part, PyTuple_GET_ITEM(entry, 1)) < 0 ||
+            PyDict_Update(PyDict_GetItem(slots, part), PyTuple_GET_ITEM(entry, 2)) < 0)
+            goto fail;
     }
     for (Py_ssize_t j = 0; j < njobs; j++) rows_update(opt, jobs[j].r, h);
 
@@ -1493,14 +1467,9 @@ static PyMethodDef methods[] = {
     {"segment_sum", segment_sum, METH_VARARGS, "segment_sum(values, indices, out): out = 0; out[indices[i]] += values[i]"},
     {"unique", unique, METH_VARARGS, "unique(ids, uniq, inverse) -> k: uniq[:k] the distinct ids, increasing; ids == uniq[inverse]"},
     {"put_back", put_back, METH_VARARGS, "put_back(block, lo, [(rows, values, ...)]): block[r - lo] = the row's value, for rows in the block"},
-    {"sgd", sgd, METH_VARARGS, "sgd(table, rows, grad, lr)"},
-    {"momentum", momentum, METH_VARARGS, "momentum(table, accum, rows, grad, lr, mu)"},
-    {"adam", adam, METH_VARARGS, "adam(table, m, v, rows, grad, b1, b2, rate, eps)"},
-    {"adagrad", adagrad, METH_VARARGS, "adagrad(table, accum, rows, grad, lr, eps)"},
-    {"dense_sgd", dense_sgd, METH_VARARGS, "dense_sgd(var, grad, out, lr[, plus, scale])"},
-    {"dense_momentum", dense_momentum, METH_VARARGS, "dense_momentum(var, grad, out, accum, accum_out, lr, mu[, plus, scale])"},
-    {"dense_adam", dense_adam, METH_VARARGS, "dense_adam(var, grad, out, m, m_out, v, v_out, b1, b2, rate, eps[, plus, scale])"},
-    {"dense_adagrad", dense_adagrad, METH_VARARGS, "dense_adagrad(var, grad, out, accum, accum_out, lr, eps[, plus, scale])"},
+    {"update_rows", update_rows, METH_VARARGS, "update_rows(opt, h, table, slots, rows, grad): the optimizer's update of those rows, in place"},
+    {"update_dense", update_dense, METH_VARARGS,
+     "update_dense(opt, h, var, grad, out, slots, slots_out[, plus, scale]) -> was the gradient finite?"},
     {"to_bfloat16", to_bfloat16, METH_VARARGS, "to_bfloat16(float32 array, uint16 array): its bfloat16 bits, rounded to nearest even"},
     {"from_bfloat16", from_bfloat16, METH_VARARGS, "from_bfloat16(uint16 array of bfloat16 bits, float32 array)"},
     {"read_header", read_header, METH_VARARGS, "read_header(view, total) -> wire.header's (meta, places), or None"},

@@ -20,11 +20,12 @@ from tfps.api.spec import OptimizerName, OptimizerSpec
 from . import _rows
 from .bfloat16 import as_float32
 
-SLOTS = {
-    OptimizerName.SGD: (),
-    OptimizerName.MOMENTUM: ("momentum",),
-    OptimizerName.ADAM: ("m", "v"),
-    OptimizerName.ADAGRAD: ("accumulator",),
+# Each optimizer's number in its C kernels (runtime/_rows.c) and its slots, in their order.
+KERNELS = {
+    OptimizerName.SGD: (0, ()),
+    OptimizerName.MOMENTUM: (1, ("momentum",)),
+    OptimizerName.ADAM: (2, ("m", "v")),
+    OptimizerName.ADAGRAD: (3, ("accumulator",)),
 }
 _F32 = np.float32
 _F32_DTYPE = np.dtype(np.float32)
@@ -60,12 +61,18 @@ class ShardOptimizer:
     def __init__(self, spec: OptimizerSpec):
         self.spec = spec
         self.name = spec.name
-        self._slots = SLOTS[self.name]
+        self._kernel, self._slots = KERNELS[self.name]
         self._lr = _F32(spec.learning_rate)
         self._momentum = _F32(spec.momentum)
         self._b1, self._b2 = _F32(spec.beta1), _F32(spec.beta2)
         self._eps = _F32(spec.epsilon)
         self._rate: tuple[int, np.float32] = (-1, _F32(0))  # (t, _adam_rate(t)) of the latest update
+        # The hyperparameters in the order of the kernels' arguments; Adam's (kernel_args) change with t.
+        self._hyper = {
+            OptimizerName.SGD: (self._lr, 0.0, 0.0, 0.0),
+            OptimizerName.MOMENTUM: (self._lr, self._momentum, 0.0, 0.0),
+            OptimizerName.ADAGRAD: (self._lr, self._eps, 0.0, 0.0),
+        }.get(self.name)
 
     def slot_names(self) -> tuple[str, ...]:
         return self._slots
@@ -85,17 +92,11 @@ class ShardOptimizer:
         return rate[1]
 
     def kernel_args(self, t: int) -> tuple[int, tuple[float, float, float, float]]:
-        """The optimizer as _rows.apply_async takes it at update `t`: its number (SGD 0, momentum
-        1, Adam 2, Adagrad 3) and its hyperparameters in its kernels' order, the same float32
-        values as `apply_dense` and `apply_rows` pass."""
-        name = self.name
-        if name is OptimizerName.SGD:
-            return 0, (self._lr, 0.0, 0.0, 0.0)
-        if name is OptimizerName.MOMENTUM:
-            return 1, (self._lr, self._momentum, 0.0, 0.0)
-        if name is OptimizerName.ADAM:
-            return 2, (self._b1, self._b2, self._adam_rate(t), self._eps)
-        return 3, (self._lr, self._eps, 0.0, 0.0)
+        """The optimizer as its C kernels take it at update `t` (runtime/_rows.c): its number
+        and its hyperparameters in its kernels' order, as float32 values."""
+        if self._hyper is None:  # Adam
+            return self._kernel, (self._b1, self._b2, self._adam_rate(t), self._eps)
+        return self._kernel, self._hyper
 
     def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int,
                     plus: np.ndarray | None = None, scale: float = 1.0, check: bool = True
@@ -111,19 +112,8 @@ class ShardOptimizer:
             grad = as_float32(grad)  # bfloat16 off the wire
         if plus is not None and plus.dtype is not _F32_DTYPE:
             plus = as_float32(plus)
-        name, new = self.name, np.empty_like(var)
-        fresh = {s: np.empty_like(var) for s in self._slots}
-        if name is OptimizerName.SGD:
-            finite = _rows.dense_sgd(var, grad, new, self._lr, plus, scale)
-        elif name is OptimizerName.MOMENTUM:
-            finite = _rows.dense_momentum(var, grad, new, slots["momentum"], fresh["momentum"], self._lr, self._momentum, plus, scale)
-        elif name is OptimizerName.ADAM:
-            finite = _rows.dense_adam(var, grad, new, slots["m"], fresh["m"], slots["v"], fresh["v"],
-                                      self._b1, self._b2, self._adam_rate(t), self._eps, plus, scale)
-        elif name is OptimizerName.ADAGRAD:
-            finite = _rows.dense_adagrad(var, grad, new, slots["accumulator"], fresh["accumulator"], self._lr, self._eps, plus, scale)
-        else:  # pragma: no cover - the spec's enum is closed
-            raise ValueError(name)
+        opt, hyper = self.kernel_args(t)
+        finite, new, fresh = _rows.update_dense(opt, hyper, self._slots, var, slots, grad, plus, scale)
         if check and not finite:
             raise NonFiniteGradient("the gradient contains NaN or Inf")
         return new, fresh
@@ -138,15 +128,6 @@ class ShardOptimizer:
         them in C (runtime/_rows.c: the same float operations as `apply_dense`, row by row)."""
         if grad.dtype is not _F32_DTYPE:
             grad = as_float32(grad)
-        name, lr = self.name, self._lr
-        if name is OptimizerName.SGD:
-            _rows.sgd(var, rows, grad, lr)
-        elif name is OptimizerName.MOMENTUM:
-            _rows.momentum(var, slots["momentum"], rows, grad, lr, self._momentum)
-        elif name is OptimizerName.ADAM:
-            _rows.adam(var, slots["m"], slots["v"], rows, grad, self._b1, self._b2, self._adam_rate(t), self._eps)
-        elif name is OptimizerName.ADAGRAD:
-            _rows.adagrad(var, slots["accumulator"], rows, grad, lr, self._eps)
-        else:  # pragma: no cover
-            raise ValueError(name)
+        opt, hyper = self.kernel_args(t)
+        _rows.update_rows(opt, hyper, self._slots, var, slots, rows, grad)
 

@@ -154,34 +154,39 @@ def test_the_row_kernels_refuse_arguments_that_do_not_fit_and_leave_the_table_as
     ]
     for error, words, args in cases:
         with pytest.raises(error, match=words):
-            _rows.sgd(*args, 0.5)
+            _rows.update_rows(0, (0.5, 0, 0, 0), (), args[0], {}, *args[1:])
         np.testing.assert_array_equal(table, np.ones((10, 4), np.float32))
     with pytest.raises(ValueError, match="shape differs"):
-        _rows.adam(table, np.zeros((10, 4), np.float32), np.zeros((9, 4), np.float32), np.array([1], np.int64),
-                   grad[:1], 0.9, 0.999, 0.1, 1e-7)
+        _rows.update_rows(2, (0.9, 0.999, 0.1, 1e-7), ("m", "v"), table,
+                          {"m": np.zeros((10, 4), np.float32), "v": np.zeros((9, 4), np.float32)}, np.array([1], np.int64), grad[:1])
     with pytest.raises(ValueError, match="the table overlaps a slot"):  # the kernels take them as restrict pointers
-        _rows.momentum(table, table, np.array([1], np.int64), grad[:1], 0.5, 0.9)
+        _rows.update_rows(1, (0.5, 0.9, 0, 0), ("momentum",), table, {"momentum": table}, np.array([1], np.int64), grad[:1])
+    with pytest.raises(KeyError, match="no slot 'v'"):
+        _rows.update_rows(2, (0.9, 0.999, 0.1, 1e-7), ("m", "v"), table, {"m": np.zeros((10, 4), np.float32)},
+                          np.array([1], np.int64), grad[:1])
+    for opt, names in ((2, ("m",)), (0, ("m",)), (4, ())):
+        with pytest.raises(ValueError, match="update_rows: an optimizer 0..3 and a tuple of its slots"):
+            _rows.update_rows(opt, (0.5, 0, 0, 0), names, table, {"m": np.zeros((10, 4), np.float32)}, np.array([1], np.int64),
+                              grad[:1])
     np.testing.assert_array_equal(table, np.ones((10, 4), np.float32))
 
 
-def test_the_dense_kernels_refuse_arrays_of_another_size_or_an_out_array_over_an_input():
+def test_the_dense_kernels_refuse_a_gradient_of_another_size_or_type_and_leave_the_variable_as_it_was():
     var, grad = np.ones((6, 3), np.float32), np.ones((6, 3), np.float32)
-    out = np.full((6, 3), 7.0, np.float32)
+    slots = {"m": np.zeros((6, 3), np.float32), "v": np.zeros((6, 3), np.float32)}
     cases = [
-        (ValueError, "gradient of 9 floats for a variable of 18", (var, grad[:3], out)),
-        (ValueError, "out of 17 floats", (var, grad, np.empty(17, np.float32))),
-        (ValueError, "out overlaps variable", (var, grad, var)),
-        (ValueError, "out overlaps gradient", (var, grad.reshape(-1), grad.reshape(-1))),
-        (TypeError, "float32", (var, grad.astype(np.float64), out)),
+        (ValueError, "gradient of 9 floats for a variable of 18", grad[:3]),
+        (TypeError, "gradient: expected an array of float32, got format 'd'", grad.astype(np.float64)),
     ]
-    for error, words, args in cases:
+    for error, words, bad in cases:
         with pytest.raises(error, match=words):
-            _rows.dense_sgd(*args, 0.5)
+            _rows.update_dense(2, (0.9, 0.999, 0.1, 1e-7), ("m", "v"), var, slots, bad)
     np.testing.assert_array_equal(var, np.ones((6, 3), np.float32))
-    np.testing.assert_array_equal(out, np.full((6, 3), 7.0, np.float32))
-    m, v = np.zeros((6, 3), np.float32), np.zeros((6, 3), np.float32)
-    with pytest.raises(ValueError, match="slot out overlaps slot"):  # a new slot written over the old one
-        _rows.dense_adam(var, grad, out, m, m, v, np.empty_like(v), 0.9, 0.999, 0.1, 1e-7)
+    for name, arr in slots.items():
+        np.testing.assert_array_equal(arr, np.zeros((6, 3), np.float32), err_msg=name)
+    finite, new, fresh = _rows.update_dense(2, (0.9, 0.999, 0.1, 1e-7), ("m", "v"), var, slots, grad)
+    assert finite is True and list(fresh) == ["m", "v"]
+    assert all(arr is not var and not np.shares_memory(arr, var) for arr in (new, *fresh.values()))
 
 
 def test_check_rows_says_whether_rows_are_sorted_and_unique_and_refuses_rows_outside():
