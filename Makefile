@@ -57,11 +57,16 @@ demo: system-deps venv cluster-tools images
 bench: venv
 	$(VENV)/bin/tfps bench
 
-# ruff (pyflakes, bugbear, complexity: pyproject.toml), hadolint for the Dockerfiles, helm lint for
-# the chart (skipped, saying so, until hack/build-cluster.sh has built helm). Zero findings.
+# ruff (format, then pyflakes, line length, bugbear, complexity, imports, pyupgrade, simplify:
+# pyproject.toml), mypy on the API and the operator, the docs site built strictly (a broken link
+# fails), hadolint for the Dockerfiles, helm lint for the chart (skipped, saying so, until
+# hack/build-cluster.sh has built helm). Zero findings.
 HELM ?= $(firstword $(wildcard $(TFPS_CACHE)/bin/current/helm $(TFPS_CACHE)/bin/helm-*/helm) $(TFPS_CACHE)/bin/current/helm)
 lint: venv
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir .tfps/site
 	$(VENV)/bin/hadolint images/*/Dockerfile
 	@if [ -x "$(HELM)" ]; then $(HELM) lint --strict charts/tfps; \
 	else echo "lint: helm not built yet ($(HELM)): run hack/build-cluster.sh; skipped helm lint"; fi

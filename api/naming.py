@@ -5,6 +5,7 @@ names, environment variables, and the names of a job's objects.
 headless Service its DNS name is `<job>-<type>-<i>.<job>.<ns>.svc`. The longest child name
 decides how long a job name may be.
 """
+
 from __future__ import annotations
 
 from .spec import API_GROUP, ReplicaType

@@ -4,6 +4,7 @@ runs, when a replica that exited runs again, and when the job has succeeded.
 The operator (operator/reconcile.py) and `tfps local` (runtime/local.py) both decide through
 these, so a manifest means the same thing on a cluster and on one machine.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection

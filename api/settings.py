@@ -4,11 +4,13 @@ In a pod the operator sets these (operator/builders.py), `tfps local` sets the s
 processes (runtime/local.py); the rest are knobs with the defaults below. Each field's
 variable is its alias, spelled in api/naming.py.
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
@@ -59,5 +61,5 @@ class ProcessSettings(BaseModel):
         return None if self.data_port == "off" else int(self.data_port or 0)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "ProcessSettings":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ProcessSettings:
         return cls.model_validate(dict(os.environ if env is None else env))

@@ -4,10 +4,11 @@ The one definition of the API's shape on the Python side: the operator's pod bui
 `tfps local` and the PS/worker entry points all use these. Field names are the
 manifest's (camelCase) through aliases; Python code uses snake_case.
 """
+
 from __future__ import annotations
 
 import re
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ class _Model(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
-class ReplicaType(str, Enum):
+class ReplicaType(StrEnum):
     PS = "PS"
     WORKER = "Worker"
     CHIEF = "Chief"
@@ -44,38 +45,38 @@ class ReplicaType(str, Enum):
         return self.value.lower()
 
 
-class RestartPolicy(str, Enum):
+class RestartPolicy(StrEnum):
     ALWAYS = "Always"
     ON_FAILURE = "OnFailure"
     NEVER = "Never"
     EXIT_CODE = "ExitCode"  # TFJob semantics: exit codes >= 128 are retryable
 
 
-class ConsistencyMode(str, Enum):
+class ConsistencyMode(StrEnum):
     SYNC = "sync"
     ASYNC = "async"
     BOUNDED = "bounded"
 
 
-class OptimizerName(str, Enum):
+class OptimizerName(StrEnum):
     SGD = "sgd"
     MOMENTUM = "momentum"
     ADAM = "adam"
     ADAGRAD = "adagrad"
 
 
-class WireDtype(str, Enum):
+class WireDtype(StrEnum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
 
 
-class CleanPodPolicy(str, Enum):
+class CleanPodPolicy(StrEnum):
     RUNNING = "Running"
     ALL = "All"
     NONE = "None"
 
 
-class SuccessPolicy(str, Enum):
+class SuccessPolicy(StrEnum):
     DEFAULT = ""  # Chief when present, else worker 0
     ALL_WORKERS = "AllWorkers"
 
@@ -152,12 +153,14 @@ class TrainingJobSpec(_Model):
     success_policy: SuccessPolicy = SuccessPolicy.DEFAULT
 
     @model_validator(mode="after")
-    def _check_replicas(self) -> "TrainingJobSpec":
+    def _check_replicas(self) -> TrainingJobSpec:
         if self.training is not None:
             for needed in (ReplicaType.PS, ReplicaType.WORKER):
                 spec = self.replica_specs.get(needed)
                 if spec is None or spec.replicas < 1:
-                    raise ValueError(f"spec.replicaSpecs.{needed.value}: required (replicas >= 1) when spec.training is set")
+                    raise ValueError(
+                        f"spec.replicaSpecs.{needed.value}: required (replicas >= 1) when spec.training is set"
+                    )
         chief = self.replica_specs.get(ReplicaType.CHIEF)
         if chief is not None and chief.replicas > 1:
             raise ValueError("spec.replicaSpecs.Chief.replicas: at most 1")

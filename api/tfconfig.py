@@ -1,11 +1,12 @@
 """TF_CONFIG (TFJob's shape): written for every replica by the operator and `tfps local`,
 read back by the PS and worker processes. Custom TF programs read the same variable."""
+
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .naming import ENV_TF_CONFIG, GRPC_PORT, dns_name
 from .spec import ReplicaType, TrainingJobSpec
@@ -61,7 +62,7 @@ class ClusterConfig:
         return self.cluster.get("worker", [])
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "ClusterConfig":
+    def from_env(cls, env: dict[str, str] | None = None) -> ClusterConfig:
         env = os.environ if env is None else env
         raw = env.get(ENV_TF_CONFIG)
         if not raw:

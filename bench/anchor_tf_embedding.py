@@ -8,6 +8,7 @@ steady-state examples/s. Keras 3 cannot train a partitioned (Sharded) variable, 
 anchor runs Keras 2 (the `tf-keras` package): its processes, and only they, have
 TF_USE_LEGACY_KERAS=1 (`ENV`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,9 @@ def _keras_model(tf, shape: EmbeddingShape):
     keras = tf.keras  # Keras 2 under TF_USE_LEGACY_KERAS=1
     ids = keras.Input((shape.fields,), dtype="int64")
     dense = keras.Input((shape.dense_dim,), dtype="float32")
-    emb = keras.layers.Embedding(shape.rows, shape.dim, embeddings_initializer=keras.initializers.RandomNormal(stddev=0.05))(ids)
+    emb = keras.layers.Embedding(
+        shape.rows, shape.dim, embeddings_initializer=keras.initializers.RandomNormal(stddev=0.05)
+    )(ids)
     h = keras.layers.Concatenate()([keras.layers.Reshape((shape.fields * shape.dim,))(emb), dense])
     for width in shape.hidden:
         h = keras.layers.Dense(width, activation="relu")(h)
@@ -54,17 +57,22 @@ def measure(args: argparse.Namespace) -> dict:
     with pss_cluster(args) as (strategy, coordinator, watch):
         with strategy.scope():
             net = _keras_model(tf, shape)
-            optimizer = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}[args.optimizer](args.learning_rate)
+            optimizer = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}[args.optimizer](
+                args.learning_rate
+            )
         say(f"model built; peak resident: {watch}")
-        iterator = per_worker_iterator(strategy, coordinator,
-                                       lambda ctx: _dataset(model, args.batch, ctx.input_pipeline_id if ctx else 0))
+        iterator = per_worker_iterator(
+            strategy, coordinator, lambda ctx: _dataset(model, args.batch, ctx.input_pipeline_id if ctx else 0)
+        )
 
         @tf.function
         def step_fn(it):
             def replica_fn(features, y):
                 with tf.GradientTape() as tape:
                     logits = net(features, training=True)
-                    loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.reshape(y, [-1, 1]), logits=logits))
+                    loss = tf.reduce_mean(
+                        tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.reshape(y, [-1, 1]), logits=logits)
+                    )
                 grads = tape.gradient(loss, net.trainable_variables)
                 optimizer.apply_gradients(zip(grads, net.trainable_variables, strict=True))
                 return loss
@@ -73,7 +81,11 @@ def measure(args: argparse.Namespace) -> dict:
             return strategy.run(replica_fn, args=(features, y))
 
         steps, elapsed, loss = run_window(coordinator, step_fn, iterator, args)
-        tables = [[v.name, v.shape.as_list(), v.device] for v in net.trainable_variables if v.shape[0] >= shape.rows // args.ps]
+        tables = [
+            [v.name, v.shape.as_list(), v.device]
+            for v in net.trainable_variables
+            if v.shape[0] >= shape.rows // args.ps
+        ]
         watch.sample()
         say(f"done; peak resident: {watch}")
     return {

@@ -7,6 +7,7 @@ in this process, and prints one JSON line with the steady-state examples/s: the 
 completed between the end of the warm-up and the end of the timed window, start-up
 excluded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,13 +102,20 @@ class ServerWatch:
 
     def dead(self) -> str | None:
         """Which servers died before the end, how, and how large they had grown; None if none did."""
-        gone = [(n, p.returncode, peak) for n, p, peak in zip(self.names, self.servers, self.peaks, strict=True)
-                if p.poll() is not None]
+        gone = [
+            (n, p.returncode, peak)
+            for n, p, peak in zip(self.names, self.servers, self.peaks, strict=True)
+            if p.poll() is not None
+        ]
         if not gone:
             return None
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        said = [f"{n} exited with {code}" + (" (SIGKILL: the kernel's OOM killer, when memory ran out)" if code == -9 else "")
-                + f" at {peak / GIB:.1f} GiB resident" for n, code, peak in gone]
+        said = [
+            f"{n} exited with {code}"
+            + (" (SIGKILL: the kernel's OOM killer, when memory ran out)" if code == -9 else "")
+            + f" at {peak / GIB:.1f} GiB resident"
+            for n, code, peak in gone
+        ]
         return f"TensorFlow's servers died mid-run: {'; '.join(said)}; this machine has {total / GIB:.1f} GiB"
 
     def __str__(self) -> str:
@@ -132,7 +140,9 @@ def pss_cluster(args: argparse.Namespace):
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
         )
-        strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=_partitioner(tf, args))
+        strategy = tf.distribute.experimental.ParameterServerStrategy(
+            resolver, variable_partitioner=_partitioner(tf, args)
+        )
         yield strategy, tf.distribute.coordinator.ClusterCoordinator(strategy), watch
     except Exception as err:
         died = watch.dead()
@@ -265,8 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tfps.bench.anchor_tf_pss", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     parser.add_argument("--ps", type=int, default=1)
-    parser.add_argument("--partition", action=argparse.BooleanOptionalAction, default=True,
-                        help="split large variables across the PS (MinSizePartitioner)")
+    parser.add_argument(
+        "--partition",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split large variables across the PS (MinSizePartitioner)",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cluster", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)

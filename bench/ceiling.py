@@ -6,6 +6,7 @@ the same data and batch with no PS at all (TensorFlow's thread pools sized as `t
 sizes a replica's), and prints one JSON line with their aggregate examples/s. Each child warms up, says READY, and starts its timed window only when all
 are ready (GO on stdin), so the windows overlap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,17 @@ def child(args: argparse.Namespace) -> None:
         grads[-1].numpy()  # wait for the step, as a worker would before pushing
 
     steps, elapsed, _ = timed_window(step, args.warmup_seconds, args.seconds)
-    print(json.dumps({"steps": steps, "seconds": elapsed, "examples_per_second": steps * args.batch / elapsed, "threads": threads}), flush=True)
+    print(
+        json.dumps(
+            {
+                "steps": steps,
+                "seconds": elapsed,
+                "examples_per_second": steps * args.batch / elapsed,
+                "threads": threads,
+            }
+        ),
+        flush=True,
+    )
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -52,7 +63,9 @@ def measure(args: argparse.Namespace) -> dict:
         "--batch", str(args.batch), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
         "--seed", str(args.seed), "--processes", str(args.processes),
     ]  # fmt: skip
-    results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 60)
+    results = run_together(
+        [module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 60
+    )
     return {
         "system": "ceiling",
         "examples_per_second": sum(r["examples_per_second"] for r in results),
@@ -67,8 +80,12 @@ def measure(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
-    parser.add_argument("--processes", type=int, default=3,
-                        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=3,
+        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     return child_or_orchestrator(parser.parse_args(argv), child, measure)

@@ -4,6 +4,7 @@ Power-law id frequencies (the model's own generator), batch 512 per worker, 2 wo
 the tables partitioned by rows over 2 PS. Every side trains the same `ModelDef`'s forward
 pass on the same synthetic examples; the anchors feed them through tf.data.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,14 @@ class EmbeddingShape:
     @property
     def model_args(self) -> dict:
         """`spec.training.modelArgs` of the built-in `wide-deep` (no test split: nothing to evaluate)."""
-        return {"vocabSize": self.vocab, "fields": self.fields, "embeddingDim": self.dim, "denseDim": self.dense_dim,
-                "hidden": list(self.hidden), "testSamples": 0}
+        return {
+            "vocabSize": self.vocab,
+            "fields": self.fields,
+            "embeddingDim": self.dim,
+            "denseDim": self.dense_dim,
+            "hidden": list(self.hidden),
+            "testSamples": 0,
+        }
 
     @property
     def rows(self) -> int:
@@ -63,7 +70,15 @@ def load(shape: EmbeddingShape, seed: int = 0):
 
 
 ADAM_LEARNING_RATE = 0.001  # Adam's, the same on every side (SGD takes the bench's --learning-rate)
-TFPS_FIGURES = ("wire_bytes_per_step", "ps_peak_rss", "worker_peak_rss", "longest_step", "p99_step", "median_step", *CPU_FIGURES)
+TFPS_FIGURES = (
+    "wire_bytes_per_step",
+    "ps_peak_rss",
+    "worker_peak_rss",
+    "longest_step",
+    "p99_step",
+    "median_step",
+    *CPU_FIGURES,
+)
 ANCHOR_STARTUP_S = 240.0  # the anchor's servers on a busy machine, and TF's first steps on a large table
 
 
@@ -77,18 +92,36 @@ def shard_state_bytes(shape: EmbeddingShape, optimizer: str) -> int:
 def measure_anchor(shape: EmbeddingShape, optimizer: str, learning_rate: float, cfg: dict) -> dict:
     from .anchor_tf_embedding import ENV, MODULE
 
-    cmd = module_cmd(MODULE, "--vocab", str(shape.vocab), "--dim", str(shape.dim), "--optimizer", optimizer,
-                     "--batch", str(shape.batch), "--workers", str(shape.workers), "--ps", str(shape.ps),
-                     "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
-                     "--learning-rate", str(learning_rate))
+    cmd = module_cmd(
+        MODULE,
+        "--vocab",
+        str(shape.vocab),
+        "--dim",
+        str(shape.dim),
+        "--optimizer",
+        optimizer,
+        "--batch",
+        str(shape.batch),
+        "--workers",
+        str(shape.workers),
+        "--ps",
+        str(shape.ps),
+        "--seconds",
+        str(cfg["seconds"]),
+        "--warmup-seconds",
+        str(cfg["warmup_seconds"]),
+        "--learning-rate",
+        str(learning_rate),
+    )
     timeout = ANCHOR_STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"])
     return run_json(
         cmd, timeout, f"TF strategy ({shape.name}, {optimizer})", env=child_env(ENV), crash_retries=ANCHOR_CRASH_RETRIES
     )
 
 
-def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool,
-                 repeat: int = 0) -> tuple[dict, list[str]]:
+def measure_once(
+    shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkpoints: bool, repeat: int = 0
+) -> tuple[dict, list[str]]:
     """One repeat of one embedding shape: per optimizer the limit with that optimizer's update (a
     reference; then the same over one answering process per PS) and TF's strategy; the limit over
     one answering process per PS; then tfps async, SGD and Adam, right between two measurements
@@ -104,16 +137,25 @@ def measure_once(shape: EmbeddingShape, cfg: dict, hints: dict, progress, checkp
         learning_rates[optimizer] = cfg["learning_rate"] if optimizer == "sgd" else ADAM_LEARNING_RATE
         for sharded in rep.in_turn((False, True), repeat):  # the one after frees what the first held (10M Adam: 7.7 GB)
             key = f"limit_update_{optimizer}" + ("_sharded" if sharded else "")
-            rep.attempt(key, partial(limit.run, shape, cfg, "async", optimizer, learning_rates[optimizer], sharded=sharded),
-                        ("bytes_per_step", *CPU_FIGURES))
-        rep.attempt(f"tf_pss_{optimizer}", partial(measure_anchor, shape, optimizer, learning_rates[optimizer], cfg), ("ps_peak_rss",))
+            rep.attempt(
+                key,
+                partial(limit.run, shape, cfg, "async", optimizer, learning_rates[optimizer], sharded=sharded),
+                ("bytes_per_step", *CPU_FIGURES),
+            )
+        rep.attempt(
+            f"tf_pss_{optimizer}",
+            partial(measure_anchor, shape, optimizer, learning_rates[optimizer], cfg),
+            ("ps_peak_rss",),
+        )
 
     def tfps(optimizer: str) -> tuple[float, partial]:
         """Examples for tfps's run, and the run."""
         key = f"tfps_{optimizer}"
         rate = hints.get(key) or 0.8 * (rep.row.get("limit") or 20_000.0)
         examples = tfps_side.examples_for(rate, cfg)
-        return examples, partial(tfps_side.measure, shape, "async", examples, rate, learning_rates[optimizer], optimizer=optimizer)
+        return examples, partial(
+            tfps_side.measure, shape, "async", examples, rate, learning_rates[optimizer], optimizer=optimizer
+        )
 
     def tfps_runs() -> None:
         for optimizer in rep.in_turn(OPTIMIZERS, repeat):

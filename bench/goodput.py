@@ -13,6 +13,7 @@ on 127.0.0.1 and then, per repeat, measures back to back:
   the report can tell the transport's share of the gap from tfps's.
 It prints one JSON line with the MiB/s of each.
 """
+
 from __future__ import annotations
 
 import argparse

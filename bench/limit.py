@@ -34,6 +34,7 @@ with N PS, with nothing of a PS's own cost in it; `--answerers 1` (the default) 
 the goals compare with. A table's rows (or a dense variable) split over several answerers are
 joined on the worker with one copy, where a tfps worker receives them in place.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,17 @@ import numpy as np
 from tfps.runtime.sharding import place, route_rows
 from tfps.runtime.wire import ALIGN, aligned_array
 
-from .procs import LOOPBACK, child_env, child_or_orchestrator, last_json_line, module_cmd, run_json, run_together, size_tf_threads, timed_window
+from .procs import (
+    LOOPBACK,
+    child_env,
+    child_or_orchestrator,
+    last_json_line,
+    module_cmd,
+    run_json,
+    run_together,
+    size_tf_threads,
+    timed_window,
+)
 
 MODULE = "tfps.bench.limit"
 STARTUP_S = 150.0  # allowance for starting the processes on a busy machine
@@ -105,7 +116,9 @@ class _RowsLayout:
         counts = np.array([1 if grads else 0, *(len(i) for i in pushed), *(len(i) for i in wanted)], np.int64)
         return [counts, *(np.asarray(i, np.int64) for i in [*pushed, *wanted]), *grads]
 
-    def split(self, view: memoryview) -> tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+    def split(
+        self, view: memoryview
+    ) -> tuple[np.ndarray | None, list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
         """(the dense gradients as one array or None, each table's (ids, gradients), each table's ids asked for)."""
         tables = len(self.widths)
         counts = np.frombuffer(view, np.int64, 1 + 2 * tables)
@@ -134,13 +147,21 @@ class Answerer:
     `tables` (their shapes; async only), pushes follow `_RowsLayout` and the answering process
     holds the tables and their optimizer slots."""
 
-    def __init__(self, update: str = "none", learning_rate: float = 0.01, optimizer: str = "sgd",
-                 dense_size: int = 0, tables: list[tuple[int, int]] | None = None):
+    def __init__(
+        self,
+        update: str = "none",
+        learning_rate: float = 0.01,
+        optimizer: str = "sgd",
+        dense_size: int = 0,
+        tables: list[tuple[int, int]] | None = None,
+    ):
         from tfps.api.spec import OptimizerSpec
         from tfps.runtime.optimizers import ShardOptimizer
 
         self.update = update
-        self.optimizer = ShardOptimizer(OptimizerSpec.model_validate({"name": optimizer, "learningRate": learning_rate}))
+        self.optimizer = ShardOptimizer(
+            OptimizerSpec.model_validate({"name": optimizer, "learningRate": learning_rate})
+        )
         self.cond = threading.Condition()
         self.params: np.ndarray | None = None  # replaced by each update, never changed in place
         self.slots: dict[str, np.ndarray] = {}  # the dense parameters' optimizer slots, replaced alike
@@ -158,8 +179,13 @@ class Answerer:
             self.rows = _RowsLayout(dense_size, [width for _, width in tables])
             self._reset(dense_size)
             # written whole now, as the PS's are: fresh zero pages faulted in at random rows would be timed
-            self.tables = [(np.full(shape, 0.01, np.float32), {s: self.optimizer.initial_slot(s, shape) for s in self.optimizer.slot_names()})
-                           for shape in tables]
+            self.tables = [
+                (
+                    np.full(shape, 0.01, np.float32),
+                    {s: self.optimizer.initial_slot(s, shape) for s in self.optimizer.slot_names()},
+                )
+                for shape in tables
+            ]
 
     def answer(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -185,7 +211,9 @@ class Answerer:
                 elif self.update == "none" or not dense:
                     conn.sendall(memoryview(outbox)[:pull])
                 else:
-                    conn.sendall(memoryview(self._parameters(np.frombuffer(inbox, np.float32, push // 4), pull // 4)).cast("B"))
+                    conn.sendall(
+                        memoryview(self._parameters(np.frombuffer(inbox, np.float32, push // 4), pull // 4)).cast("B")
+                    )
         finally:
             with self.cond:
                 self.live -= 1
@@ -209,7 +237,9 @@ class Answerer:
         answer the parameters and the rows asked for."""
         return padded(self.update_rows(*self.rows.split(view)))
 
-    def update_rows(self, grad: np.ndarray | None, pushed: list[tuple[np.ndarray, np.ndarray]], wanted: list[np.ndarray]) -> list[np.ndarray]:
+    def update_rows(
+        self, grad: np.ndarray | None, pushed: list[tuple[np.ndarray, np.ndarray]], wanted: list[np.ndarray]
+    ) -> list[np.ndarray]:
         """A push taken apart (`_RowsLayout.split`) applied: the parameters, then the rows asked for."""
         with self.cond:
             if grad is not None:
@@ -249,7 +279,9 @@ class Answerer:
 
     def _apply(self, grad: np.ndarray, plus: np.ndarray | None = None, count: int = 1) -> None:
         self.version += 1
-        self.params, self.slots = self.optimizer.apply_dense(self.params, self.slots, grad, self.version, plus, 1.0 / count, check=False)
+        self.params, self.slots = self.optimizer.apply_dense(
+            self.params, self.slots, grad, self.version, plus, 1.0 / count, check=False
+        )
 
 
 def _recv_exact(conn: socket.socket, view: memoryview) -> bool:
@@ -328,7 +360,7 @@ class Shards:
         """Per answerer: its dense parts' gradients (`padded`), then its table parts' rows' (`routes`: per table, `routes()`)."""
         out = []
         for k in range(self.n):
-            dense = [grads[q.var][q.start:q.stop] if q.var in self.joined else grads[q.var] for q in self.dense[k]]
+            dense = [grads[q.var][q.start : q.stop] if q.var in self.joined else grads[q.var] for q in self.dense[k]]
             out.append(padded(dense) + [grads[q.var][_span(routes, q)] for q in self.tables[k]])
         return out
 
@@ -350,9 +382,9 @@ class Shards:
         for buf, (*pieces, _) in zip(received, pulls, strict=True):
             for q, shape, a, n in pieces:
                 if q.var not in self.joined:
-                    params[q.var] = buf[a:a + n].reshape(shape)
+                    params[q.var] = buf[a : a + n].reshape(shape)
                 elif n:
-                    split.setdefault(q.var, []).append((q.start, buf[a:a + n].reshape(shape)))
+                    split.setdefault(q.var, []).append((q.start, buf[a : a + n].reshape(shape)))
         for name, row in self.joined.items():
             parts = [arr for _, arr in sorted(split.get(name, ()), key=lambda item: item[0])]
             whole = aligned_array((sum(len(arr) for arr in parts), *row), np.float32)
@@ -374,8 +406,11 @@ def child(args: argparse.Namespace) -> None:
     grad_fn = make_grad_fn(model)
     shards = Shards(model.params, len(args.port.split(",")))
     tables = model.sparse_params
-    layouts = ([_RowsLayout(shards.answerer(k)[0], [q.shape[1] for q in shards.tables[k]]) for k in range(shards.n)]
-               if tables and args.update != "none" else None)
+    layouts = (
+        [_RowsLayout(shards.answerer(k)[0], [q.shape[1] for q in shards.tables[k]]) for k in range(shards.n)]
+        if tables and args.update != "none"
+        else None
+    )
     exchanges = [Exchange(int(port)) for port in args.port.split(",")]
     state = {"step": 0}
     freeze_startup_objects()
@@ -400,7 +435,9 @@ def child(args: argparse.Namespace) -> None:
             exchange.send(out, 4 * pulls[k][-1])
 
         def receive() -> dict:
-            received = [exchange.receive(4 * pull[-1]).view(np.float32) for exchange, pull in zip(exchanges, pulls, strict=True)]
+            received = [
+                exchange.receive(4 * pull[-1]).view(np.float32) for exchange, pull in zip(exchanges, pulls, strict=True)
+            ]
             return {name: as_tensor(arr) for name, arr in shards.join(received, pulls).items()}
 
         return receive
@@ -442,8 +479,19 @@ def child(args: argparse.Namespace) -> None:
     moved_before = sum(e.moved for e in exchanges)
     steps, elapsed, cpu = timed_window(step, args.warmup_seconds, args.seconds)
     per_step = (sum(e.moved for e in exchanges) - moved_before) / max(1, state["step"])
-    print(json.dumps({"steps": steps, "seconds": elapsed, "cpu_seconds": cpu, "examples_per_second": steps * args.batch / elapsed,
-                      "bytes_per_step": per_step, "threads": threads}), flush=True)
+    print(
+        json.dumps(
+            {
+                "steps": steps,
+                "seconds": elapsed,
+                "cpu_seconds": cpu,
+                "examples_per_second": steps * args.batch / elapsed,
+                "bytes_per_step": per_step,
+                "threads": threads,
+            }
+        ),
+        flush=True,
+    )
 
 
 _NO_ROWS = (range(0), [])
@@ -496,17 +544,60 @@ def measure(args: argparse.Namespace) -> dict:
     answerer, listener = _answer_main(args, Shards(model.params, args.answerers), 0)
     freeze_startup_objects()
     # the other answering processes, each its own process as each PS is
-    common = ["--model", args.model, "--model-args", args.model_args, "--seed", str(args.seed), "--update", args.update,
-              "--optimizer", args.optimizer, "--learning-rate", str(args.learning_rate), "--answerers", str(args.answerers)]
-    others = [subprocess.Popen(module_cmd(MODULE, *common, "--answer", str(k)), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               env=child_env(), text=True) for k in range(1, args.answerers)]
+    common = [
+        "--model",
+        args.model,
+        "--model-args",
+        args.model_args,
+        "--seed",
+        str(args.seed),
+        "--update",
+        args.update,
+        "--optimizer",
+        args.optimizer,
+        "--learning-rate",
+        str(args.learning_rate),
+        "--answerers",
+        str(args.answerers),
+    ]
+    others = [
+        subprocess.Popen(
+            module_cmd(MODULE, *common, "--answer", str(k)),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=child_env(),
+            text=True,
+        )
+        for k in range(1, args.answerers)
+    ]
     try:
         ports = [listener.getsockname()[1], *(json.loads(proc.stdout.readline())["port"] for proc in others)]
-        base = ["--child", "--model", args.model, "--model-args", args.model_args, "--batch", str(args.batch),
-                "--workers", str(args.workers), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
-                "--seed", str(args.seed), "--port", ",".join(map(str, ports)), "--processes", str(args.processes),
-                "--update", args.update]
-        results = run_together([module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120)
+        base = [
+            "--child",
+            "--model",
+            args.model,
+            "--model-args",
+            args.model_args,
+            "--batch",
+            str(args.batch),
+            "--workers",
+            str(args.workers),
+            "--seconds",
+            str(args.seconds),
+            "--warmup-seconds",
+            str(args.warmup_seconds),
+            "--seed",
+            str(args.seed),
+            "--port",
+            ",".join(map(str, ports)),
+            "--processes",
+            str(args.processes),
+            "--update",
+            args.update,
+        ]
+        results = run_together(
+            [module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120
+        )
         answering_cpu, requests = answerer.cpu_used()
         for proc in others:
             out = last_json_line(proc.communicate("", timeout=30)[0])
@@ -533,17 +624,44 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
-def run(shape, cfg: dict, update: str = "none", optimizer: str = "sgd", learning_rate: float | None = None,
-        sharded: bool = False) -> dict:
+def run(
+    shape,
+    cfg: dict,
+    update: str = "none",
+    optimizer: str = "sgd",
+    learning_rate: float | None = None,
+    sharded: bool = False,
+) -> dict:
     """Measure the limit for a benchmark shape (bench/mlp.py's or bench/embedding.py's); with
     `update`, the limit with the optimizer's update (`optimizer`'s: embedding shapes, async); with
     `sharded`, over as many answering processes as the shape has PS."""
     lr = cfg["learning_rate"] if learning_rate is None else learning_rate
     answerers = shape.ps if sharded else 1
-    cmd = module_cmd(MODULE, "--model", shape.model, "--model-args", json.dumps(shape.model_args), "--batch", str(shape.batch),
-                     "--workers", str(shape.workers), "--seconds", str(cfg["seconds"]), "--warmup-seconds", str(cfg["warmup_seconds"]),
-                     "--processes", str(shape.workers + shape.ps), "--update", update, "--optimizer", optimizer, "--learning-rate", str(lr),
-                     "--answerers", str(answerers))
+    cmd = module_cmd(
+        MODULE,
+        "--model",
+        shape.model,
+        "--model-args",
+        json.dumps(shape.model_args),
+        "--batch",
+        str(shape.batch),
+        "--workers",
+        str(shape.workers),
+        "--seconds",
+        str(cfg["seconds"]),
+        "--warmup-seconds",
+        str(cfg["warmup_seconds"]),
+        "--processes",
+        str(shape.workers + shape.ps),
+        "--update",
+        update,
+        "--optimizer",
+        optimizer,
+        "--learning-rate",
+        str(lr),
+        "--answerers",
+        str(answerers),
+    )
     what = "limit" if update == "none" else f"limit with the {update} {optimizer} update"
     if sharded:
         what += f" over {answerers} answering processes"
@@ -556,18 +674,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-args", default="{}", help="its spec.training.modelArgs, as JSON")
     parser.add_argument("--batch", type=int, default=128, help="per worker")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--processes", type=int, default=3,
-                        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=3,
+        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's",
+    )
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--update", choices=UPDATES, default="none",
-                        help="the answering process also applies the optimizer's update to the parameters it sends back (sync: dense models)")
-    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
-                        help="of that update: sgd, or adam for a model with embedding tables (lazy on their rows, as the PS's)")
+    parser.add_argument(
+        "--update",
+        choices=UPDATES,
+        default="none",
+        help="the answering process also applies the optimizer's update to the parameters it sends back (sync: dense models)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=("sgd", "adam"),
+        default="sgd",
+        help="of that update: sgd, or adam for a model with embedding tables (lazy on their rows, as the PS's)",
+    )
     parser.add_argument("--learning-rate", type=float, default=0.01, help="of that update")
-    parser.add_argument("--answerers", type=int, default=1,
-                        help="answering processes, the model split over them as tfps splits it over that many PS (async or none)")
+    parser.add_argument(
+        "--answerers",
+        type=int,
+        default=1,
+        help="answering processes, the model split over them as tfps splits it over that many PS (async or none)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--port", default="0", help=argparse.SUPPRESS)  # the answering processes', comma-separated

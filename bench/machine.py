@@ -6,6 +6,7 @@ shape's bytes-inclusive limit at 36,520 and 51,806 examples/s, and tfps's share 
 too. A report says which machine it came from and how busy that machine was when the run began
 (a quiet one starts near 0).
 """
+
 from __future__ import annotations
 
 import os

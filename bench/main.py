@@ -24,14 +24,16 @@ Same work on every side: tfps's built-in models (parameters, synthetic data), th
 optimizer and learning rate, no periodic checkpoints; TF's strategy splits large variables
 across its PS with MinSizePartitioner, as TF's tutorial does.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from . import embedding, limit, machine, report, tfps_side
 from .mlp import SHAPES, Shape
@@ -39,22 +41,42 @@ from .procs import ANCHOR_CRASH_RETRIES, CPU_FIGURES, MeasurementError, Repeat, 
 
 # tfps's runs in each repeat: (consistency mode, spec.training.wireDtype)
 TFPS_RUNS = (("async", "float32"), ("sync", "float32"), ("async", "bfloat16"))
-QUICK = {"seconds": 3.0, "warmup_seconds": 1.0, "repeats": 1, "goodput_mib": 16.0, "raw_mib": 64,
-         "embedding_shapes": [embedding.QUICK_SHAPE.name]}
+QUICK = {
+    "seconds": 3.0,
+    "warmup_seconds": 1.0,
+    "repeats": 1,
+    "goodput_mib": 16.0,
+    "raw_mib": 64,
+    "embedding_shapes": [embedding.QUICK_SHAPE.name],
+}
 CHECKPOINT_SHAPES = ("2M", embedding.QUICK_SHAPE.name)  # the embedding shapes that also measure a checkpoint's stall
 ANCHOR_STARTUP_S = 150.0  # allowance for starting the anchor's processes on a busy machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", nargs="*", choices=list(SHAPES), default=list(SHAPES),
-                        help="which dense shapes (default: all; the flag alone, with no shape: only the embedding ones)")
-    parser.add_argument("--embedding-shapes", nargs="*", choices=list(embedding.SHAPES), default=list(embedding.SHAPES),
-                        help="which large-embedding shapes (default: all; the flag alone, with no shape: only the dense ones)")
-    parser.add_argument("--repeats", type=int, default=3, help="paired repeats per shape; the report gives the median ratio")
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        choices=list(SHAPES),
+        default=list(SHAPES),
+        help="which dense shapes (default: all; the flag alone, with no shape: only the embedding ones)",
+    )
+    parser.add_argument(
+        "--embedding-shapes",
+        nargs="*",
+        choices=list(embedding.SHAPES),
+        default=list(embedding.SHAPES),
+        help="which large-embedding shapes (default: all; the flag alone, with no shape: only the dense ones)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="paired repeats per shape; the report gives the median ratio"
+    )
     parser.add_argument("--seconds", type=float, default=15.0, help="timed window of each measurement, after warm-up")
     parser.add_argument("--warmup-seconds", type=float, default=3.0, help="untimed steps before each anchor's window")
     parser.add_argument("--quick", action="store_true", help="a few seconds per measurement, one repeat (a smoke run)")
-    parser.add_argument("--goodput-mib", type=float, default=64.0, help="model size pushed and pulled for goodput (MiB)")
+    parser.add_argument(
+        "--goodput-mib", type=float, default=64.0, help="model size pushed and pulled for goodput (MiB)"
+    )
     parser.add_argument("--raw-mib", type=int, default=256, help="raw TCP: MiB sent per measurement")
     parser.add_argument("--no-goodput", action="store_true", help="skip the goodput pair")
     parser.add_argument("--learning-rate", type=float, default=0.01, help="SGD learning rate, same on every side")
@@ -101,7 +123,10 @@ def measure_shape_once(
     rep = Repeat(shape.name, progress, report.SYSTEMS)
     for update in ("async", "sync"):
         rep.attempt(f"limit_update_{update}", lambda update=update: limit.run(shape, cfg, update), CPU_FIGURES)
-    rep.attempt("ceiling", lambda: measure_anchor("tfps.bench.ceiling", shape, cfg, ["--processes", str(shape.workers + shape.ps)]))
+    rep.attempt(
+        "ceiling",
+        lambda: measure_anchor("tfps.bench.ceiling", shape, cfg, ["--processes", str(shape.workers + shape.ps)]),
+    )
     rep.attempt("tf_pss", lambda: measure_anchor("tfps.bench.anchor_tf_pss", shape, cfg, ["--ps", str(shape.ps)]))
     row = rep.row
 
@@ -112,8 +137,11 @@ def measure_shape_once(
         # state after the warm-up that tfps local leaves out (tfps_side.examples_for).
         rate = hints.get(key) or row.get("limit") or row.get("tf_pss") or row.get("ceiling") or 1000.0
         examples = tfps_side.examples_for(rate, cfg)
-        rep.attempt(key, partial(tfps_side.measure, shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype),
-                    ("wire_bytes_per_step", *CPU_FIGURES))
+        rep.attempt(
+            key,
+            partial(tfps_side.measure, shape, mode, examples, rate, cfg["learning_rate"], wire_dtype=wire_dtype),
+            ("wire_bytes_per_step", *CPU_FIGURES),
+        )
         if row.get(key):
             hints[key] = row[key]
 
@@ -141,24 +169,38 @@ def _embedding_shape(name: str) -> embedding.EmbeddingShape:
     return embedding.SHAPES.get(name) or embedding.QUICK_SHAPE
 
 
-def build_report(cfg: dict, rows: dict[str, list[dict]], goodput: list[dict] | None, errors: list[str], wall: float,
-                 embedding_rows: dict[str, list[dict]] | None = None, host: dict | None = None) -> dict:
+def build_report(
+    cfg: dict,
+    rows: dict[str, list[dict]],
+    goodput: list[dict] | None,
+    errors: list[str],
+    wall: float,
+    embedding_rows: dict[str, list[dict]] | None = None,
+    host: dict | None = None,
+) -> dict:
     shapes = {}
     for name, repeats in rows.items():
         shape = SHAPES[name]
         shapes[name] = {
             "config": {
-                "params": shape.params, "layers": [shape.input_dim, *shape.hidden, shape.classes],
-                "batch": shape.batch, "workers": shape.workers, "ps": shape.ps,
+                "params": shape.params,
+                "layers": [shape.input_dim, *shape.hidden, shape.classes],
+                "batch": shape.batch,
+                "workers": shape.workers,
+                "ps": shape.ps,
             },  # fmt: skip
             **report.summarize_shape(name, repeats),
         }
     out: dict[str, Any] = {"settings": cfg, "machine": host, "shapes": shapes}
     if embedding_rows:
         out["embedding"] = {
-            "shapes": {name: {"config": {**vars(_embedding_shape(name)), "params": _embedding_shape(name).params},
-                              **report.summarize_shape(name, repeats, report.EMBEDDING_RATIOS)}
-                       for name, repeats in embedding_rows.items()},
+            "shapes": {
+                name: {
+                    "config": {**vars(_embedding_shape(name)), "params": _embedding_shape(name).params},
+                    **report.summarize_shape(name, repeats, report.EMBEDDING_RATIOS),
+                }
+                for name, repeats in embedding_rows.items()
+            },
             "scale": report.summarize_scale(embedding_rows),
         }
     if goodput is not None:
@@ -200,7 +242,9 @@ def run(args: argparse.Namespace) -> int:
             errors += errs
         for name in cfg["embedding_shapes"]:
             progress(f"repeat {rep + 1}/{cfg['repeats']}, embedding shape {name}")
-            row, errs = embedding.measure_once(_embedding_shape(name), cfg, hints[name], progress, name in CHECKPOINT_SHAPES, rep)
+            row, errs = embedding.measure_once(
+                _embedding_shape(name), cfg, hints[name], progress, name in CHECKPOINT_SHAPES, rep
+            )
             emb_rows[name].append(row)
             errors += errs
         if args.output:  # every repeat so far, in case the run is cut short

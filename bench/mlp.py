@@ -5,6 +5,7 @@ The anchors (TF's strategy, the compute-only ceiling) build on the same `ModelDe
 same forward pass, the same synthetic examples. Only the input pipeline is each side's own:
 the anchors feed the examples through tf.data, as a TensorFlow user would.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,9 +15,11 @@ issue: p50 <= 1 s to all pods created. Also printed: the time to each job's firs
 the p50s over the raw-create anchor (the same number of pods created directly, measured
 right after in the same run: machine load moves both).
 """
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -54,10 +56,18 @@ def _proc_usage(pid: int) -> tuple[float, int]:
 
 
 def _job(name: str, ps: int, workers: int) -> dict:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"replicaSpecs": {"PS": {"replicas": ps, "template": UNSCHEDULABLE},
-                                      "Worker": {"replicas": workers, "template": UNSCHEDULABLE}},
-                     "training": {"steps": 10}}}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "replicaSpecs": {
+                "PS": {"replicas": ps, "template": UNSCHEDULABLE},
+                "Worker": {"replicas": workers, "template": UNSCHEDULABLE},
+            },
+            "training": {"steps": 10},
+        },
+    }
 
 
 def _raw_create_seconds(core, count: int) -> float:
@@ -73,8 +83,14 @@ def _raw_create_seconds(core, count: int) -> float:
     pod = {"spec": {**UNSCHEDULABLE["spec"], "containers": [{"name": "tensorflow", "image": "tfps/worker:0.1.0"}]}}
     started = time.monotonic()
     with ThreadPoolExecutor(max_workers=16) as ex:
-        list(ex.map(lambda i: core.create_namespaced_pod(ns, {**pod, "metadata": {"name": f"p-{i}"}}, _preload_content=False),
-                    range(count)))
+        list(
+            ex.map(
+                lambda i: core.create_namespaced_pod(
+                    ns, {**pod, "metadata": {"name": f"p-{i}"}}, _preload_content=False
+                ),
+                range(count),
+            )
+        )
     seconds = time.monotonic() - started
     core.delete_namespace(ns)
     return seconds
@@ -108,7 +124,9 @@ def _new_namespace(core, client) -> str:
 def _delete_jobs(custom, ns: str) -> None:
     for item in custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]:
         custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, item["metadata"]["name"])
-    _until(lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"], timeout=60, interval=0.2)
+    _until(
+        lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"], timeout=60, interval=0.2
+    )
 
 
 def _watch_forever(watch, stop: threading.Event, list_fn, *args, on_event) -> None:
@@ -125,8 +143,15 @@ def _watch_forever(watch, stop: threading.Event, list_fn, *args, on_event) -> No
             time.sleep(0.1)
 
 
-def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float = 0.0, timeout: float = 180.0,
-              timeline: bool = False) -> dict:
+def run_bench(
+    kubeconfig: str,
+    jobs: int,
+    ps: int,
+    workers: int,
+    spacing: float = 0.0,
+    timeout: float = 180.0,
+    timeline: bool = False,
+) -> dict:
     from kubernetes import client, config, watch
 
     from .training_operator import install_crd
@@ -134,7 +159,9 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         raise SystemExit('kubectl is not on PATH: eval "$(hack/cluster.sh env)" first')
-    install_crd(kubectl, kubeconfig, REPO / "crds" / "trainingjob.yaml", f"{PLURAL}.{GROUP}")  # a fresh cluster has none
+    install_crd(
+        kubectl, kubeconfig, REPO / "crds" / "trainingjob.yaml", f"{PLURAL}.{GROUP}"
+    )  # a fresh cluster has none
     api = config.new_client_from_config(config_file=kubeconfig)
     core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
     ns = _new_namespace(core, client)
@@ -142,9 +169,26 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
 
     env = {**os.environ, "KUBECONFIG": kubeconfig, "TFPS_OPERATOR_CONFIG": ""}
     log = tempfile.NamedTemporaryFile("w", prefix="tfps-operator-bench-", suffix=".log", delete=False)
-    operator = subprocess.Popen([sys.executable, "-m", "tfps.cli.main", "operator", "-n", ns, "--standalone",
-                                 "--metrics-port", "0", "--health-port", "0", "--log-level", os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning")],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    operator = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tfps.cli.main",
+            "operator",
+            "-n",
+            ns,
+            "--standalone",
+            "--metrics-port",
+            "0",
+            "--health-port",
+            "0",
+            "--log-level",
+            os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning"),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     created_at: dict[str, float] = {}
     pods_seen: dict[str, list[float]] = {}
     first_seen: dict[str, float] = {}
@@ -165,13 +209,22 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
         patcher.submit(report_running, pod)
 
     def report_running(pod):
-        status = {"phase": "Running", "podIP": "127.0.0.1", "containerStatuses": [{
-            "name": "tensorflow", "image": pod["spec"]["containers"][0]["image"], "imageID": "", "ready": True,
-            "restartCount": 0, "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]}
-        try:
+        status = {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "containerStatuses": [
+                {
+                    "name": "tensorflow",
+                    "image": pod["spec"]["containers"][0]["image"],
+                    "imageID": "",
+                    "ready": True,
+                    "restartCount": 0,
+                    "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+                }
+            ],
+        }
+        with contextlib.suppress(client.ApiException):
             core.patch_namespaced_pod_status(pod["metadata"]["name"], ns, {"status": status}, _preload_content=False)
-        except client.ApiException:
-            pass
 
     def job_seen(ev):
         obj = ev["object"]
@@ -180,8 +233,16 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
             running_at[name] = time.monotonic()
 
     kubelet = lambda: _watch_forever(watch, stop, core.list_namespaced_pod, ns, on_event=pod_seen)  # noqa: E731
-    job_watcher = lambda: _watch_forever(watch, stop, custom.list_namespaced_custom_object,  # noqa: E731
-                                         GROUP, VERSION, ns, PLURAL, on_event=job_seen)
+    job_watcher = lambda: _watch_forever(
+        watch,
+        stop,
+        custom.list_namespaced_custom_object,  # noqa: E731
+        GROUP,
+        VERSION,
+        ns,
+        PLURAL,
+        on_event=job_seen,
+    )
     threads = [threading.Thread(target=kubelet, daemon=True), threading.Thread(target=job_watcher, daemon=True)]
     for t in threads:
         t.start()
@@ -210,12 +271,18 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
     to_running = [running_at[n] - t for n, t in created_at.items() if n in running_at]
 
     def quantiles(values: list[float]) -> dict | None:
-        return {"p50": round(_percentile(values, 0.5), 3), "p99": round(_percentile(values, 0.99), 3)} if values else None
+        return (
+            {"p50": round(_percentile(values, 0.5), 3), "p99": round(_percentile(values, 0.99), 3)} if values else None
+        )
 
     ratio = lambda values: round(_percentile(values, 0.5) / raw, 2) if values and raw > 0 else None  # noqa: E731
     result = {
-        "jobs": jobs, "pods_per_job": per_job, "spacing_s": spacing, "nodes": nodes,
-        "jobs_all_pods_created": len(to_pods), "jobs_running": len(to_running),
+        "jobs": jobs,
+        "pods_per_job": per_job,
+        "spacing_s": spacing,
+        "nodes": nodes,
+        "jobs_all_pods_created": len(to_pods),
+        "jobs_running": len(to_running),
         "to_first_pod_created_s": quantiles(to_first),
         "to_all_pods_created_s": quantiles(to_pods),
         "to_running_s": quantiles(to_running),
@@ -233,9 +300,13 @@ def run_bench(kubeconfig: str, jobs: int, ps: int, workers: int, spacing: float 
     }
     if timeline:  # per job, seconds from the first job's creation: created, first pod, last pod, Running
         t0 = min(created_at.values())
-        result["timeline"] = {n: [round(v - t0, 3) if v is not None else None for v in (
-            t, min(pods_seen.get(n) or [None]), max(pods_seen.get(n) or [None]), running_at.get(n))]
-            for n, t in created_at.items()}
+        result["timeline"] = {
+            n: [
+                round(v - t0, 3) if v is not None else None
+                for v in (t, min(pods_seen.get(n) or [None]), max(pods_seen.get(n) or [None]), running_at.get(n))
+            ]
+            for n, t in created_at.items()
+        }
     return result
 
 
@@ -245,14 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--spacing", type=float, default=0.0, help="seconds between job creations (0: all at once)")
-    parser.add_argument("--timeline", action="store_true", help="also print each job's created / first pod / last pod / Running times")
+    parser.add_argument(
+        "--timeline", action="store_true", help="also print each job's created / first pod / last pod / Running times"
+    )
     parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG") or str(REPO / ".tfps" / "kubeconfig"))
     args = parser.parse_args(argv)
     result = run_bench(args.kubeconfig, args.jobs, args.ps, args.workers, args.spacing, timeline=args.timeline)
     print(json.dumps(result, indent=2))
     if result["nodes"]:
-        print(f"note: measured with node(s) {', '.join(result['nodes'])} up; their agents share the cores "
-              "(hack/cluster.sh up --no-node runs the control plane alone)", file=sys.stderr)
+        print(
+            f"note: measured with node(s) {', '.join(result['nodes'])} up; their agents share the cores "
+            "(hack/cluster.sh up --no-node runs the control plane alone)",
+            file=sys.stderr,
+        )
     return 0 if result["jobs_running"] == args.jobs else 1
 
 

@@ -8,8 +8,10 @@ counts exactly that client's requests, per flow schema, in
 out of it, `apiserver_flowcontrol_request_execution_seconds_count`). Next to it,
 `apiserver_request_total` gives every client's requests by verb and resource.
 """
+
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 from collections import defaultdict
@@ -19,8 +21,11 @@ import yaml
 
 ACCOUNT = "tfps-bench-operator"
 FLOW_SCHEMA = "tfps-bench-operator"
-FLOW_METRICS = ("apiserver_flowcontrol_dispatched_requests_total", "apiserver_flowcontrol_request_execution_seconds_count")
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\}\s+([0-9.eE+-]+)$')
+FLOW_METRICS = (
+    "apiserver_flowcontrol_dispatched_requests_total",
+    "apiserver_flowcontrol_request_execution_seconds_count",
+)
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\}\s+([0-9.eE+-]+)$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE", "DELETECOLLECTION")
 
@@ -67,7 +72,9 @@ def writes(counts: dict[str, float]) -> float:
 
 def raw_get(api, path: str, query: list[tuple[str, str]] | None = None, timeout: float = 90):
     """GET `path` with the client's credentials; the urllib3 response, unread (a watch streams)."""
-    method, url, headers, body, post = api.param_serialize("GET", path, query_params=query or [], auth_settings=["BearerToken"])
+    method, url, headers, body, post = api.param_serialize(
+        "GET", path, query_params=query or [], auth_settings=["BearerToken"]
+    )
     resp = api.call_api(method, url, header_params=headers, body=body, post_params=post, _request_timeout=timeout)
     if resp.status >= 300:
         raise RuntimeError(f"GET {path}: {resp.status} {resp.read()[:200]!r}")
@@ -81,11 +88,24 @@ def scrape(api) -> str:
 
 def flow_schema(namespace: str) -> dict:
     everything = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": True, "namespaces": ["*"]}
-    return {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema", "metadata": {"name": FLOW_SCHEMA},
-            "spec": {"priorityLevelConfiguration": {"name": "exempt"}, "matchingPrecedence": 100,
-                     "rules": [{"subjects": [{"kind": "ServiceAccount", "serviceAccount": {"name": ACCOUNT, "namespace": namespace}}],
-                                "resourceRules": [everything],
-                                "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}}
+    return {
+        "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+        "kind": "FlowSchema",
+        "metadata": {"name": FLOW_SCHEMA},
+        "spec": {
+            "priorityLevelConfiguration": {"name": "exempt"},
+            "matchingPrecedence": 100,
+            "rules": [
+                {
+                    "subjects": [
+                        {"kind": "ServiceAccount", "serviceAccount": {"name": ACCOUNT, "namespace": namespace}}
+                    ],
+                    "resourceRules": [everything],
+                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                }
+            ],
+        },
+    }
 
 
 def setup_identity(api, namespace: str, admin_kubeconfig: str) -> Path:
@@ -95,20 +115,39 @@ def setup_identity(api, namespace: str, admin_kubeconfig: str) -> Path:
 
     core, rbac, custom = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api), client.CustomObjectsApi(api)
     core.create_namespaced_service_account(namespace, {"metadata": {"name": ACCOUNT}})
-    binding = {"metadata": {"name": f"{ACCOUNT}-{namespace}"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-               "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": namespace}]}
-    _replace(lambda: rbac.delete_cluster_role_binding(binding["metadata"]["name"]), lambda: rbac.create_cluster_role_binding(binding))
-    _replace(lambda: custom.delete_cluster_custom_object("flowcontrol.apiserver.k8s.io", "v1", "flowschemas", FLOW_SCHEMA),
-             lambda: custom.create_cluster_custom_object("flowcontrol.apiserver.k8s.io", "v1", "flowschemas", flow_schema(namespace)))
-    token = core.create_namespaced_service_account_token(ACCOUNT, namespace, {"spec": {"expirationSeconds": 7200}}).status.token
+    binding = {
+        "metadata": {"name": f"{ACCOUNT}-{namespace}"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+        "subjects": [{"kind": "ServiceAccount", "name": ACCOUNT, "namespace": namespace}],
+    }
+    _replace(
+        lambda: rbac.delete_cluster_role_binding(binding["metadata"]["name"]),
+        lambda: rbac.create_cluster_role_binding(binding),
+    )
+    _replace(
+        lambda: custom.delete_cluster_custom_object("flowcontrol.apiserver.k8s.io", "v1", "flowschemas", FLOW_SCHEMA),
+        lambda: custom.create_cluster_custom_object(
+            "flowcontrol.apiserver.k8s.io", "v1", "flowschemas", flow_schema(namespace)
+        ),
+    )
+    token = core.create_namespaced_service_account_token(
+        ACCOUNT, namespace, {"spec": {"expirationSeconds": 7200}}
+    ).status.token
     admin = yaml.safe_load(Path(admin_kubeconfig).read_text())
-    context = next(c for c in admin["contexts"] if c["name"] == admin.get("current-context")) if admin.get("current-context") else admin["contexts"][0]
+    context = (
+        next(c for c in admin["contexts"] if c["name"] == admin.get("current-context"))
+        if admin.get("current-context")
+        else admin["contexts"][0]
+    )
     cluster = next(c for c in admin["clusters"] if c["name"] == context["context"]["cluster"])
-    kubeconfig = {"apiVersion": "v1", "kind": "Config", "clusters": [cluster],
-                  "users": [{"name": ACCOUNT, "user": {"token": token}}],
-                  "contexts": [{"name": ACCOUNT, "context": {"cluster": cluster["name"], "user": ACCOUNT}}],
-                  "current-context": ACCOUNT}
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": ACCOUNT, "user": {"token": token}}],
+        "contexts": [{"name": ACCOUNT, "context": {"cluster": cluster["name"], "user": ACCOUNT}}],
+        "current-context": ACCOUNT,
+    }
     out = tempfile.NamedTemporaryFile("w", prefix="tfps-bench-operator-", suffix=".kubeconfig", delete=False)
     with out:
         yaml.safe_dump(kubeconfig, out)
@@ -118,20 +157,19 @@ def setup_identity(api, namespace: str, admin_kubeconfig: str) -> Path:
 def teardown_identity(api, namespace: str) -> None:
     from kubernetes import client
 
-    for call in (lambda: client.RbacAuthorizationV1Api(api).delete_cluster_role_binding(f"{ACCOUNT}-{namespace}"),
-                 lambda: client.CustomObjectsApi(api).delete_cluster_custom_object(
-                     "flowcontrol.apiserver.k8s.io", "v1", "flowschemas", FLOW_SCHEMA)):
-        try:
+    for call in (
+        lambda: client.RbacAuthorizationV1Api(api).delete_cluster_role_binding(f"{ACCOUNT}-{namespace}"),
+        lambda: client.CustomObjectsApi(api).delete_cluster_custom_object(
+            "flowcontrol.apiserver.k8s.io", "v1", "flowschemas", FLOW_SCHEMA
+        ),
+    ):
+        with contextlib.suppress(client.ApiException):
             call()
-        except client.ApiException:
-            pass
 
 
 def _replace(delete, create) -> None:
     from kubernetes import client
 
-    try:
+    with contextlib.suppress(client.ApiException):
         delete()
-    except client.ApiException:
-        pass
     create()

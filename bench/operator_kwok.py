@@ -1,11 +1,12 @@
 """kwok's fake nodes for the operator scale benchmark, kept apart from anyone else's: nodes with
 a label of their own, played by a kwok of their own (hack/kwok.py runs one kwok per label, and
 each deletes only its own nodes and leaves the blackhole route to the last one)."""
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 LABEL = ("tfps.io/bench-kwok", "operator-scale")
 
@@ -15,8 +16,10 @@ def placement(kwok) -> dict:
 
 
 def nodes(kwok, count: int, cpu: str, memory: str, gpus: int, pods: int) -> list[dict]:
-    return [kwok.node_manifest(f"kwok-bench-{i}", cpu=cpu, memory=memory, gpus=gpus, pods=pods, label=LABEL)
-            for i in range(count)]
+    return [
+        kwok.node_manifest(f"kwok-bench-{i}", cpu=cpu, memory=memory, gpus=gpus, pods=pods, label=LABEL)
+        for i in range(count)
+    ]
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ runs, the ratios against the training-operator anchor and the goals, and a rich 
 
 Pure: timestamps and counters in, a JSON-able report out.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -54,13 +55,23 @@ def _since(stamps: dict[str, float], created: dict[str, float]) -> list[float]:
     return [stamps[n] - t for n, t in created.items() if n in stamps]
 
 
-def run_figures(created: dict[str, float], all_pods_created: dict[str, float], running: dict[str, float],
-                pods_running: dict[str, float], succeeded: dict[str, float], cleaned: dict[str, float]) -> dict[str, Any]:
+def run_figures(
+    created: dict[str, float],
+    all_pods_created: dict[str, float],
+    running: dict[str, float],
+    pods_running: dict[str, float],
+    succeeded: dict[str, float],
+    cleaned: dict[str, float],
+) -> dict[str, Any]:
     """One run's timing figures from per-job timestamps (same clock): each dict maps a job
     name to when it reached that point; a job missing from one never reached it."""
     out: dict[str, Any] = {"jobs": len(created)}
-    for key, stamps in (("to_all_pods_created", all_pods_created), ("to_running", running),
-                        ("to_pods_running", pods_running), ("to_succeeded", succeeded)):
+    for key, stamps in (
+        ("to_all_pods_created", all_pods_created),
+        ("to_running", running),
+        ("to_pods_running", pods_running),
+        ("to_succeeded", succeeded),
+    ):
         values = _since(stamps, created)
         out[f"{key}_n"] = len(values)
         out[f"{key}_p50"] = _round(percentile(values, 0.5))
@@ -94,11 +105,27 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         theirs = sides.get(anchor, {}).get("median", {}).get(figure)
         ours = tfps.get(figure)
         value = ours / theirs if ours is not None and theirs else None
-        goals.append({"label": label, "figure": figure, "anchor": anchor, "goal_max": goal, "value": _round(value),
-                      "met": None if value is None else value <= goal})
+        goals.append(
+            {
+                "label": label,
+                "figure": figure,
+                "anchor": anchor,
+                "goal_max": goal,
+                "value": _round(value),
+                "met": None if value is None else value <= goal,
+            }
+        )
     rss = tfps.get("operator_peak_rss_mib")
-    goals.append({"label": "tfps operator peak RSS (MiB)", "figure": "operator_peak_rss_mib", "anchor": None,
-                  "goal_max": RSS_GOAL_MIB, "value": rss, "met": None if rss is None else rss <= RSS_GOAL_MIB})
+    goals.append(
+        {
+            "label": "tfps operator peak RSS (MiB)",
+            "figure": "operator_peak_rss_mib",
+            "anchor": None,
+            "goal_max": RSS_GOAL_MIB,
+            "value": rss,
+            "met": None if rss is None else rss <= RSS_GOAL_MIB,
+        }
+    )
     return {"sides": sides, "goals": goals}
 
 

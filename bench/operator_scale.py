@@ -22,6 +22,7 @@ server itself (operator_apiserver.py); all clients' writes per job in the same w
 the medians over runs and the goals: p99 to all pods created ≤ 0.5× the stock
 training-operator's and ≤ 1.0× the raised one's, operator CPU ≤ 1.0×, peak RSS ≤ 300 MiB.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,11 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from . import operator_apiserver as apiserver
 from . import operator_kwok
@@ -68,26 +70,44 @@ def load_kwok():
 def templates(placement: dict, succeed_annotation: str | None, succeed_after: str | None) -> dict[str, dict]:
     """The pod templates both operators get, by replica type: the tfps operator's default
     requests written out, one GPU per worker, kwok placement; workers end after `succeed_after`."""
+
     def template(image: str, requests: dict, limits: dict, annotations: dict) -> dict:
-        container = {"name": "tensorflow", "image": image, "resources": {"requests": requests, **({"limits": limits} if limits else {})}}
-        return {"metadata": {"annotations": annotations} if annotations else {},
-                "spec": {**copy.deepcopy(placement), "containers": [container]}}
+        container = {
+            "name": "tensorflow",
+            "image": image,
+            "resources": {"requests": requests, **({"limits": limits} if limits else {})},
+        }
+        return {
+            "metadata": {"annotations": annotations} if annotations else {},
+            "spec": {**copy.deepcopy(placement), "containers": [container]},
+        }
+
     gpu = {"nvidia.com/gpu": "1"}
     worker_annotations = {succeed_annotation: succeed_after} if succeed_after else {}
-    return {"PS": template("tfps/ps:0.1.0", {"cpu": "500m", "memory": "1Gi"}, {}, {}),
-            "Worker": template("tfps/worker:0.1.0", {"cpu": "1", "memory": "2Gi", **gpu}, gpu, worker_annotations)}
+    return {
+        "PS": template("tfps/ps:0.1.0", {"cpu": "500m", "memory": "1Gi"}, {}, {}),
+        "Worker": template("tfps/worker:0.1.0", {"cpu": "1", "memory": "2Gi", **gpu}, gpu, worker_annotations),
+    }
 
 
 def tfps_job(name: str, ps: int, workers: int, templates_: dict[str, dict]) -> dict[str, Any]:
-    specs = {rtype: {"replicas": n, "restartPolicy": "OnFailure", "template": copy.deepcopy(templates_[rtype])}
-             for rtype, n in (("PS", ps), ("Worker", workers)) if n}
-    return {"apiVersion": f"{TFPS[0]}/{TFPS[1]}", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"replicaSpecs": specs, "training": {"steps": 10}, "runPolicy": {"cleanPodPolicy": "Running"}}}
+    specs = {
+        rtype: {"replicas": n, "restartPolicy": "OnFailure", "template": copy.deepcopy(templates_[rtype])}
+        for rtype, n in (("PS", ps), ("Worker", workers))
+        if n
+    }
+    return {
+        "apiVersion": f"{TFPS[0]}/{TFPS[1]}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {"replicaSpecs": specs, "training": {"steps": 10}, "runPolicy": {"cleanPodPolicy": "Running"}},
+    }
 
 
 @dataclass(frozen=True)
 class Side:
     """One operator under test: its job kind, how to build a job, read its phase, start it."""
+
     key: str
     gvp: tuple[str, str, str]
     job: Callable[[str, int, int, dict], dict]
@@ -98,25 +118,52 @@ class Side:
 
 
 def sides() -> dict[str, Side]:
-    tfps_argv = lambda ns: [sys.executable, "-m", "tfps.cli.main", "operator", "-n", ns, "--standalone",  # noqa: E731
-                            "--metrics-port", "0", "--health-port", "0",
-                            "--log-level", os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning")]
+    tfps_argv = lambda ns: [
+        sys.executable,
+        "-m",
+        "tfps.cli.main",
+        "operator",
+        "-n",
+        ns,
+        "--standalone",  # noqa: E731
+        "--metrics-port",
+        "0",
+        "--health-port",
+        "0",
+        "--log-level",
+        os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning"),
+    ]
     tfps_env = lambda ns, kc: {**os.environ, "KUBECONFIG": kc, "TFPS_OPERATOR_CONFIG": ""}  # noqa: E731
     tfps_phase = lambda obj: (obj.get("status") or {}).get("phase")  # noqa: E731
     to_gvp = (anchor.GROUP, anchor.API_VERSION, anchor.PLURAL)
     to_phase = lambda obj: anchor.phase(obj.get("status"))  # noqa: E731
     return {
         "tfps": Side("tfps", TFPS, tfps_job, tfps_phase, tfps_argv, tfps_env),
-        "stock": Side("stock", to_gvp, anchor.tfjob, to_phase, lambda ns: anchor.argv(ns, False, free_port()),
-                      anchor.env, anchor.prepare_namespace),
-        "raised": Side("raised", to_gvp, anchor.tfjob, to_phase, lambda ns: anchor.argv(ns, True, free_port()),
-                       anchor.env, anchor.prepare_namespace),
+        "stock": Side(
+            "stock",
+            to_gvp,
+            anchor.tfjob,
+            to_phase,
+            lambda ns: anchor.argv(ns, False, free_port()),
+            anchor.env,
+            anchor.prepare_namespace,
+        ),
+        "raised": Side(
+            "raised",
+            to_gvp,
+            anchor.tfjob,
+            to_phase,
+            lambda ns: anchor.argv(ns, True, free_port()),
+            anchor.env,
+            anchor.prepare_namespace,
+        ),
     }
 
 
 @dataclass
 class Recorder:
     """Per-job timestamps (time.monotonic) from the pod and job watches."""
+
     pods_per_job: int
     ps_per_job: int
     phase: Callable[[dict], str | None]
@@ -180,8 +227,16 @@ def watch(api, path: str, on_event: Callable[[str, dict], None], stop: threading
                 rv = listed["metadata"]["resourceVersion"]
                 for item in listed["items"]:
                     on_event("ADDED", item)
-            for line in iter_resp_lines(call([("watch", "true"), ("resourceVersion", rv), ("allowWatchBookmarks", "true"),
-                                              ("timeoutSeconds", "30")])):
+            for line in iter_resp_lines(
+                call(
+                    [
+                        ("watch", "true"),
+                        ("resourceVersion", rv),
+                        ("allowWatchBookmarks", "true"),
+                        ("timeoutSeconds", "30"),
+                    ]
+                )
+            ):
                 ev = json.loads(line)
                 if ev["type"] == "ERROR":
                     rv = ""
@@ -214,7 +269,9 @@ class Context:
 def _new_namespace(core, prefix: str) -> str:
     ns = f"{prefix}-{uuid.uuid4().hex[:6]}"
     core.create_namespace({"metadata": {"name": ns}})
-    _until(lambda: bool(core.list_namespaced_service_account(ns, field_selector="metadata.name=default").items), 60, 0.2)
+    _until(
+        lambda: bool(core.list_namespaced_service_account(ns, field_selector="metadata.name=default").items), 60, 0.2
+    )
     return ns
 
 
@@ -259,14 +316,21 @@ def run_once(ctx: Context, side: Side, index: int) -> dict[str, Any]:
     rec = Recorder(ctx.ps + ctx.workers, ctx.ps, side.phase)
     stop = threading.Event()
     group, version, plural = side.gvp
-    threads = [threading.Thread(target=watch, args=(ctx.api, f"/api/v1/namespaces/{ns}/pods", rec.pod, stop), daemon=True),
-               threading.Thread(target=watch, args=(ctx.api, f"/apis/{group}/{version}/namespaces/{ns}/{plural}", rec.job, stop),
-                                daemon=True)]
+    threads = [
+        threading.Thread(target=watch, args=(ctx.api, f"/api/v1/namespaces/{ns}/pods", rec.pod, stop), daemon=True),
+        threading.Thread(
+            target=watch,
+            args=(ctx.api, f"/apis/{group}/{version}/namespaces/{ns}/{plural}", rec.job, stop),
+            daemon=True,
+        ),
+    ]
     for t in threads:
         t.start()
     log_path = ctx.log_dir / f"{side.key}-{index}.log"
     with open(log_path, "w") as out:
-        operator = subprocess.Popen(side.argv(ns), env=side.env(ns, ctx.operator_kubeconfig), stdout=out, stderr=subprocess.STDOUT)
+        operator = subprocess.Popen(
+            side.argv(ns), env=side.env(ns, ctx.operator_kubeconfig), stdout=out, stderr=subprocess.STDOUT
+        )
     result: dict[str, Any] = {"side": side.key, "run": index, "namespace": ns, "operator_log": str(log_path)}
     try:
         result.update(_measure(ctx, side, ns, rec, operator, custom))
@@ -282,7 +346,10 @@ def _measure(ctx: Context, side: Side, ns: str, rec: Recorder, operator: subproc
     # that its start-up is not timed.
     warm = templates(operator_kwok.placement(ctx.kwok), None, None)
     custom.create_namespaced_custom_object(group, version, ns, plural, side.job("warmup", 1, 1, warm))
-    if not _until(lambda: "warmup" in rec.running or operator.poll() is not None, 120, 0.1) or operator.poll() is not None:
+    if (
+        not _until(lambda: "warmup" in rec.running or operator.poll() is not None, 120, 0.1)
+        or operator.poll() is not None
+    ):
         raise RuntimeError(f"{side.key}: the operator did not serve (log: {ns})")
     tpl = templates(operator_kwok.placement(ctx.kwok), ctx.kwok.SUCCEED_AFTER, ctx.succeed_after)
     metrics0 = apiserver.scrape(ctx.api)
@@ -295,16 +362,28 @@ def _measure(ctx: Context, side: Side, ns: str, rec: Recorder, operator: subproc
     metrics1 = apiserver.scrape(ctx.api)
     timed = {n: t for n, t in rec.created.items() if n.startswith(JOB_PREFIX)}
     only = lambda stamps: {n: t for n, t in stamps.items() if n in timed}  # noqa: E731
-    figures = report.run_figures(timed, only(rec.all_pods_created), only(rec.running), only(rec.pods_running),
-                                 only(rec.succeeded), only(rec.cleaned))
+    figures = report.run_figures(
+        timed,
+        only(rec.all_pods_created),
+        only(rec.running),
+        only(rec.pods_running),
+        only(rec.succeeded),
+        only(rec.cleaned),
+    )
     flow0, flow1 = apiserver.flow_count(metrics0), apiserver.flow_count(metrics1)
     by = apiserver.diff(apiserver.requests_by(metrics1), apiserver.requests_by(metrics0))
-    return {**figures, "finished": finished, "load_1min_before": round(load0, 2), "load_1min_after": round(os.getloadavg()[0], 2),
-            "operator_cpu_s": round(cpu1 - cpu0, 2), "operator_peak_rss_mib": round(peak / 2**20, 1),
-            "operator_requests": None if flow0 is None or flow1 is None else flow1 - flow0,
-            "operator_requests_per_job": None if flow0 is None or flow1 is None else round((flow1 - flow0) / ctx.jobs, 1),
-            "writes_per_job": round(apiserver.writes(by) / ctx.jobs, 1),
-            "requests_by_verb_resource": dict(sorted(by.items(), key=lambda kv: -kv[1])[:25])}
+    return {
+        **figures,
+        "finished": finished,
+        "load_1min_before": round(load0, 2),
+        "load_1min_after": round(os.getloadavg()[0], 2),
+        "operator_cpu_s": round(cpu1 - cpu0, 2),
+        "operator_peak_rss_mib": round(peak / 2**20, 1),
+        "operator_requests": None if flow0 is None or flow1 is None else flow1 - flow0,
+        "operator_requests_per_job": None if flow0 is None or flow1 is None else round((flow1 - flow0) / ctx.jobs, 1),
+        "writes_per_job": round(apiserver.writes(by) / ctx.jobs, 1),
+        "requests_by_verb_resource": dict(sorted(by.items(), key=lambda kv: -kv[1])[:25]),
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -328,8 +407,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     try:
         operator_kubeconfig = apiserver.setup_identity(api, identity_ns, args.kubeconfig)
-        ctx = Context(api, args.kubeconfig, identity_ns, str(operator_kubeconfig), args.jobs, args.ps, args.workers,
-                      args.succeed_after, args.timeout, kwok, log_dir)
+        ctx = Context(
+            api,
+            args.kubeconfig,
+            identity_ns,
+            str(operator_kubeconfig),
+            args.jobs,
+            args.ps,
+            args.workers,
+            args.succeed_after,
+            args.timeout,
+            kwok,
+            log_dir,
+        )
         nodes = operator_kwok.nodes(kwok, args.nodes, cpu="128", memory="512Gi", gpus=96, pods=250)
         with operator_kwok.running(kwok, args.kubeconfig, nodes, log_dir / "kwok.log"):
             for i in range(args.runs):
@@ -342,15 +432,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         apiserver.teardown_identity(api, identity_ns)
         core.delete_namespace(identity_ns)
     out = report.summarize(runs)
-    out.update({"title": f"operator scale: {args.jobs} jobs × ({args.ps} PS + {args.workers} workers), {args.runs} run(s) per side",
-                "jobs": args.jobs, "ps": args.ps, "workers": args.workers, "succeed_after": args.succeed_after,
-                "kwok_nodes": args.nodes, "logs": str(log_dir), "notes": NOTES})
+    out.update(
+        {
+            "title": f"operator scale: {args.jobs} jobs × ({args.ps} PS + {args.workers} workers), {args.runs} run(s) per side",
+            "jobs": args.jobs,
+            "ps": args.ps,
+            "workers": args.workers,
+            "succeed_after": args.succeed_after,
+            "kwok_nodes": args.nodes,
+            "logs": str(log_dir),
+            "notes": NOTES,
+        }
+    )
     return out
 
 
 def report_only(args: argparse.Namespace) -> dict[str, Any]:
     lines = Path(args.report_only).read_text().splitlines()
-    runs = [json.loads(line[line.index("{"):]) for line in lines if '"side"' in line]
+    runs = [json.loads(line[line.index("{") :]) for line in lines if '"side"' in line]
     out = report.summarize(runs)
     counts = ", ".join(f"{side} {len(v['runs'])}" for side, v in out["sides"].items())
     out.update({"title": f"operator scale: {runs[0]['jobs'] if runs else 0} jobs; runs: {counts}", "notes": NOTES})
@@ -374,13 +473,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--sides", default="tfps,stock,raised", help="comma-separated, run in this order each round")
-    parser.add_argument("--succeed-after", default="30s", help="kwok ends a worker pod Succeeded this long after it runs")
+    parser.add_argument(
+        "--succeed-after", default="30s", help="kwok ends a worker pod Succeeded this long after it runs"
+    )
     parser.add_argument("--nodes", type=int, default=30, help="kwok nodes (128 CPU, 512Gi, 96 GPUs, 250 pods each)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds a run may take to finish")
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG") or str(REPO / ".tfps" / "kubeconfig"))
-    parser.add_argument("--report-only", metavar="RUNS_JSONL",
-                        help="no measurement: the report of the runs in this file (one run's JSON a line, as each run logs it)")
+    parser.add_argument(
+        "--report-only",
+        metavar="RUNS_JSONL",
+        help="no measurement: the report of the runs in this file (one run's JSON a line, as each run logs it)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     out = report_only(args) if args.report_only else run(args)

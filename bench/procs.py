@@ -1,6 +1,8 @@
 """Running the benchmark's measurements as child processes on loopback."""
+
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -95,7 +97,12 @@ def _run_json_once(cmd: Sequence[str], timeout: float, what: str, env: dict[str,
     # Its own session, so that on a timeout the whole tree it started (servers, workers)
     # goes with it.
     proc = subprocess.Popen(
-        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or child_env(), start_new_session=True
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or child_env(),
+        start_new_session=True,
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -103,7 +110,9 @@ def _run_json_once(cmd: Sequence[str], timeout: float, what: str, env: dict[str,
         kill_group(proc)
         stderr = proc.communicate()[1] or ""  # what it said before it was stopped
         tail = stderr.strip().splitlines()[-3:]
-        raise MeasurementError(f"{what}: no result within {timeout:.0f} s" + "".join(f" | {line}" for line in tail)) from err
+        raise MeasurementError(
+            f"{what}: no result within {timeout:.0f} s" + "".join(f" | {line}" for line in tail)
+        ) from err
     kill_group(proc)  # leftovers of a child that exited without stopping its own children
     if proc.returncode != 0:
         tail = (stderr or stdout).strip().splitlines()[-5:]
@@ -117,10 +126,8 @@ def _run_json_once(cmd: Sequence[str], timeout: float, what: str, env: dict[str,
 
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group that `proc` leads (started with start_new_session)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
@@ -144,7 +151,9 @@ def timed_window(step: Callable[[], None], warmup_seconds: float, seconds: float
 def run_together(cmds: list[list[str]], timeout: float) -> list[dict]:
     """Start children that use `timed_window`, say GO to all once all are READY (so their
     windows overlap), and return the JSON line each printed last."""
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True) for cmd in cmds]
+    procs = [
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_env(), text=True) for cmd in cmds
+    ]
     try:
         for proc in procs:
             if not any(line.strip() == "READY" for line in _until_ready(proc)):
@@ -200,7 +209,9 @@ class Repeat:
         if crashed := len(result.get("crashes", ())):
             self.row[f"{system}:crashed_attempts"] = crashed
             again = f", measured again after {crashed} crashed attempt(s)"
-        self.progress(f"{self.shape} {label}: {self.row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s{again})")
+        self.progress(
+            f"{self.shape} {label}: {self.row[system]:,.0f} examples/s ({time.monotonic() - t0:.0f} s{again})"
+        )
         self._settle(result)
         return result
 

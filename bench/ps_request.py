@@ -27,6 +27,7 @@ floor of what a request costs live. `--evict-mib N` writes N MiB between request
 which leaves a request nothing of its own in the caches: a ceiling of what the caches add. Live
 lies between the two.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,13 +76,26 @@ class Pushes:
         for step in range(steps):
             worker, batch = step % shape.workers, step // shape.workers
             ids, ahead = (self._distinct(sources[worker](b)[0]) for b in (batch, batch + 1))
-            grads = {p.name: (rng.standard_normal((len(ids[p.name]), *p.shape[1:]) if p.sparse else p.shape) * GRADIENT_SCALE)
-                     .astype(np.float32) for p in self.model.params}
+            grads = {
+                p.name: (
+                    rng.standard_normal((len(ids[p.name]), *p.shape[1:]) if p.sparse else p.shape) * GRADIENT_SCALE
+                ).astype(np.float32)
+                for p in self.model.params
+            }
             # no sequence number: the pushes are cycled through, and a PS applies a numbered push once
-            meta = {"worker": worker, "workers": shape.workers, "tag": step, "pull": True, "batch": shape.batch, "loss": 0.5}
+            meta = {
+                "worker": worker,
+                "workers": shape.workers,
+                "tag": step,
+                "pull": True,
+                "batch": shape.batch,
+                "loss": 0.5,
+            }
             routes, routes_ahead = ({t: self.shards.routes(t, rows) for t, rows in d.items()} for d in (ids, ahead))
             self.tfps.append(memoryview(wire.encode(meta, self._step_tensors(grads, routes, routes_ahead))))
-            push = self.layout.push(self.shards.pushes(grads, routes)[ps], self.shards.ids(ps, routes), self.shards.ids(ps, routes_ahead))
+            push = self.layout.push(
+                self.shards.pushes(grads, routes)[ps], self.shards.ids(ps, routes), self.shards.ids(ps, routes_ahead)
+            )
             self.reference.append(memoryview(b"".join(np.ascontiguousarray(a).tobytes() for a in push)))
         # the reference's pushes with what they hold already taken apart: the kernels' side
         self.kernels = [(push, self.layout.split(push)) for push in self.reference]
@@ -97,7 +111,10 @@ class Pushes:
         dense = [p.name for p in self.model.params if not p.sparse]
 
         def routed(table_routes: dict) -> dict:  # Shards.routes' per table as route_rows' output
-            return {t: [(q, *by_part[q.name]) for q in plan.parts_of(t) if q.name in by_part] for t, by_part in table_routes.items()}
+            return {
+                t: [(q, *by_part[q.name]) for q in plan.parts_of(t) if q.name in by_part]
+                for t, by_part in table_routes.items()
+            }
 
         return {**plan.split_push(dense, grads, routed(routes))[self.ps], **plan.rows_asked(routed(ahead))[self.ps]}
 
@@ -105,7 +122,7 @@ class Pushes:
 def _receive(inbox: np.ndarray, request: memoryview) -> memoryview:
     """`request` copied into `inbox`, as a server's receive copies it from the socket: the bytes
     a request is read from are in the caches as they are after a receive, no more, no less."""
-    view = memoryview(inbox)[:len(request)]
+    view = memoryview(inbox)[: len(request)]
     view[:] = request
     return view
 
@@ -120,15 +137,31 @@ class Sides:
         from tfps.runtime.metrics import Identity, PSMetrics
         from tfps.runtime.ps import Shard
 
-        training = TrainingSpec.model_validate({
-            "model": shape.model, "modelArgs": shape.model_args, "optimizer": {"name": optimizer, "learningRate": learning_rate},
-            "batchSize": shape.batch, "steps": 1 << 40, "consistency": {"mode": "async"}})
+        training = TrainingSpec.model_validate(
+            {
+                "model": shape.model,
+                "modelArgs": shape.model_args,
+                "optimizer": {"name": optimizer, "learningRate": learning_rate},
+                "batchSize": shape.batch,
+                "steps": 1 << 40,
+                "consistency": {"mode": "async"},
+            }
+        )
         params, k = pushes.model.params, pushes.ps
         self.shards, self.k = pushes.shards, k
-        self.shard = Shard(list(self.shards.plan.for_ps(k)), {p.name: p for p in params}, training, shape.workers, k,
-                           PSMetrics(Identity("ps-request", "bench", "ps", k)), num_ps=shape.ps)
+        self.shard = Shard(
+            list(self.shards.plan.for_ps(k)),
+            {p.name: p for p in params},
+            training,
+            shape.workers,
+            k,
+            PSMetrics(Identity("ps-request", "bench", "ps", k)),
+            num_ps=shape.ps,
+        )
         # each side's receive buffer, reused request after request as each side's server reuses its own
-        self._inbox, self._reference_inbox = (wire.aligned_empty(max(map(len, requests))) for requests in (pushes.tfps, pushes.reference))
+        self._inbox, self._reference_inbox = (
+            wire.aligned_empty(max(map(len, requests))) for requests in (pushes.tfps, pushes.reference)
+        )
         dense_size, tables = self.shards.answerer(k)
         self.answerer = Answerer("async", learning_rate, optimizer, dense_size, tables)
         self.answerer.params = self._reference_dense(self.shard.vars)
@@ -139,7 +172,9 @@ class Sides:
 
     def _reference_dense(self, arrays: dict[str, np.ndarray]) -> np.ndarray:
         """This PS's dense parts (`arrays`, by part name) as the reference holds them: one padded vector."""
-        return np.concatenate(padded([np.asarray(arrays[q.name], np.float32).reshape(-1) for q in self.shards.dense[self.k]]))
+        return np.concatenate(
+            padded([np.asarray(arrays[q.name], np.float32).reshape(-1) for q in self.shards.dense[self.k]])
+        )
 
     def tfps(self, request: memoryview) -> None:
         self.shard.step(_receive(self._inbox, request), encoding="pieces")
@@ -159,12 +194,18 @@ class Sides:
         """The parameters and slots that differ between the two sides (none: both applied the same updates alike)."""
         out = [] if np.array_equal(self._reference_dense(self.shard.vars), self.answerer.params) else ["dense"]
         for name, slot in self.answerer.slots.items():
-            if not np.array_equal(self._reference_dense({q.name: self.shard.slots[q.name][name] for q in self.shards.dense[self.k]}), slot):
+            if not np.array_equal(
+                self._reference_dense({q.name: self.shard.slots[q.name][name] for q in self.shards.dense[self.k]}), slot
+            ):
                 out.append(f"dense:{name}")
         for (table, slots), part in zip(self.answerer.tables, self.shards.tables[self.k], strict=True):
             if not np.array_equal(table, self.shard.vars[part.name]):
                 out.append(part.name)
-            out += [f"{part.name}:{name}" for name, slot in slots.items() if not np.array_equal(slot, self.shard.slots[part.name][name])]
+            out += [
+                f"{part.name}:{name}"
+                for name, slot in slots.items()
+                if not np.array_equal(slot, self.shard.slots[part.name][name])
+            ]
         return out
 
 
@@ -185,13 +226,17 @@ def cpu_per_request(side, requests: list[memoryview], count: int, evict: np.ndar
     return spent / count * 1e6
 
 
-def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats: int, seed: int = 0, evict_mib: int = 0) -> dict:
+def measure(
+    shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats: int, seed: int = 0, evict_mib: int = 0
+) -> dict:
     from tfps.runtime.process import freeze_startup_objects
 
     learning_rate = ADAM_LEARNING_RATE if optimizer == "adam" else SGD_LEARNING_RATE
     pushes = Pushes(shape, ps, seed=seed)
     sides = Sides(shape, pushes, optimizer, learning_rate)
-    for request, push in zip(pushes.tfps, pushes.reference, strict=True):  # the same pushes, one each, in the same order
+    for request, push in zip(
+        pushes.tfps, pushes.reference, strict=True
+    ):  # the same pushes, one each, in the same order
         sides.tfps(request)
         sides.reference(push)
     differ = sides.differences()
@@ -200,15 +245,24 @@ def measure(shape: EmbeddingShape, optimizer: str, ps: int, count: int, repeats:
     freeze_startup_objects()
     try:
         for repeat in range(repeats):  # each goes first in turn
-            for name in SIDES[repeat % len(SIDES):] + SIDES[:repeat % len(SIDES)]:
+            for name in SIDES[repeat % len(SIDES) :] + SIDES[: repeat % len(SIDES)]:
                 figures[name].append(cpu_per_request(getattr(sides, name), getattr(pushes, name), count, evict))
     finally:
         gc.unfreeze()  # a caller that goes on (a test) has its collector back whole
     medians = {name: statistics.median(figures[name]) for name in SIDES}
-    return {"shape": shape.name, "optimizer": optimizer, "ps": ps, "requests": count, "evict_mib": evict_mib,
-            **{f"{name}_us": medians[name] for name in SIDES}, "ratio": medians["tfps"] / medians["reference"],
-            **{f"{name}_repeats": figures[name] for name in SIDES},
-            "request_bytes": len(pushes.tfps[0]), "reference_bytes": len(pushes.reference[0]), "differences": differ}
+    return {
+        "shape": shape.name,
+        "optimizer": optimizer,
+        "ps": ps,
+        "requests": count,
+        "evict_mib": evict_mib,
+        **{f"{name}_us": medians[name] for name in SIDES},
+        "ratio": medians["tfps"] / medians["reference"],
+        **{f"{name}_repeats": figures[name] for name in SIDES},
+        "request_bytes": len(pushes.tfps[0]),
+        "reference_bytes": len(pushes.reference[0]),
+        "differences": differ,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,8 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", type=int, nargs="*", help="which PS (default: each)")
     parser.add_argument("--requests", type=int, default=2000, help="requests a side takes in turn")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--evict-mib", type=int, default=0,
-                        help="MiB written between requests, untimed (0: none; more than the last-level cache: a cold request)")
+    parser.add_argument(
+        "--evict-mib",
+        type=int,
+        default=0,
+        help="MiB written between requests, untimed (0: none; more than the last-level cache: a cold request)",
+    )
     args = parser.parse_args(argv)
     shape = SHAPES.get(args.shape, QUICK_SHAPE)
     which = args.ps if args.ps else list(range(shape.ps))
@@ -233,7 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         if result["differences"]:
             failed = True
-            print(f"PS {ps}: tfps and the reference ended with different {', '.join(result['differences'])}", file=sys.stderr)
+            print(
+                f"PS {ps}: tfps and the reference ended with different {', '.join(result['differences'])}",
+                file=sys.stderr,
+            )
     return 1 if failed else 0
 
 

@@ -2,6 +2,7 @@
 
 Pure: measurements in, a JSON-able report out, and a rich rendering of it.
 """
+
 from __future__ import annotations
 
 import math
@@ -90,13 +91,33 @@ RATIOS: tuple[RatioDef, ...] = (
     RatioDef("async_vs_ceiling", "tfps_async", "ceiling", "tfps async / ceiling", {}),
     RatioDef("sync_vs_ceiling", "tfps_sync", "ceiling", "tfps sync / ceiling", {}),
     # The TF goals hold for the bfloat16 wire too, an option that compresses gradients.
-    RatioDef("async_bf16_vs_tf", "tfps_async_bf16", "tf_pss", "tfps async bf16 wire / TF strategy", {"670k": 1.6, "5.8M": 1.1}),
-    RatioDef("async_bf16_vs_limit", "tfps_async_bf16", "limit", "tfps async bf16 wire / bytes-inclusive limit (float32 bytes)", {}),
+    RatioDef(
+        "async_bf16_vs_tf",
+        "tfps_async_bf16",
+        "tf_pss",
+        "tfps async bf16 wire / TF strategy",
+        {"670k": 1.6, "5.8M": 1.1},
+    ),
+    RatioDef(
+        "async_bf16_vs_limit",
+        "tfps_async_bf16",
+        "limit",
+        "tfps async bf16 wire / bytes-inclusive limit (float32 bytes)",
+        {},
+    ),
     # What the update itself costs, and tfps against a PS that has no other cost (no goals: references)
     RatioDef("async_vs_limit_update", "tfps_async", "limit_update_async", "tfps async / limit + update, async", {}),
     RatioDef("sync_vs_limit_update", "tfps_sync", "limit_update_sync", "tfps sync / limit + update, sync", {}),
-    RatioDef("limit_update_async_vs_limit", "limit_update_async", "limit", "limit + update, async / bytes-inclusive limit", {}),
-    RatioDef("limit_update_sync_vs_limit", "limit_update_sync", "limit", "limit + update, sync / bytes-inclusive limit", {}),
+    RatioDef(
+        "limit_update_async_vs_limit",
+        "limit_update_async",
+        "limit",
+        "limit + update, async / bytes-inclusive limit",
+        {},
+    ),
+    RatioDef(
+        "limit_update_sync_vs_limit", "limit_update_sync", "limit", "limit + update, sync / bytes-inclusive limit", {}
+    ),
     RatioDef("limit_vs_ceiling", "limit", "ceiling", "bytes-inclusive limit / ceiling", {}),
     RatioDef("tf_vs_ceiling", "tf_pss", "ceiling", "TF strategy / ceiling", {}),
 )
@@ -107,37 +128,88 @@ def _embedding_ratios(opt: str, name: str) -> tuple[RatioDef, ...]:
     return (
         RatioDef(f"{opt}_vs_limit", tfps, "limit", f"tfps {name} / bytes-inclusive limit", {"*": 0.8}),
         RatioDef(f"{opt}_vs_tf", tfps, f"tf_pss_{opt}", f"tfps {name} / TF strategy {name}", {"*": 10.0}),
-        RatioDef(f"{opt}_wire", f"{tfps}:wire_bytes_per_step", "limit:bytes_per_step",
-                 f"{name}: bytes on the wire per step / touched rows' + dense bytes", {"*": 1.2}, at_most=True),
-        RatioDef(f"{opt}_ps_rss", f"{tfps}:ps_peak_rss", f"state_{opt}:shard",
-                 f"{name}: PS peak RSS / its shard's parameters + slots", {"*": 1.3}, at_most=True),
+        RatioDef(
+            f"{opt}_wire",
+            f"{tfps}:wire_bytes_per_step",
+            "limit:bytes_per_step",
+            f"{name}: bytes on the wire per step / touched rows' + dense bytes",
+            {"*": 1.2},
+            at_most=True,
+        ),
+        RatioDef(
+            f"{opt}_ps_rss",
+            f"{tfps}:ps_peak_rss",
+            f"state_{opt}:shard",
+            f"{name}: PS peak RSS / its shard's parameters + slots",
+            {"*": 1.3},
+            at_most=True,
+        ),
         # What the update itself costs, and tfps against a PS that has no other cost (no goals: references)
         RatioDef(f"{opt}_vs_limit_update", tfps, f"limit_update_{opt}", f"tfps {name} / limit + update, {name}", {}),
-        RatioDef(f"limit_update_{opt}_vs_limit", f"limit_update_{opt}", "limit", f"limit + update, {name} / bytes-inclusive limit", {}),
+        RatioDef(
+            f"limit_update_{opt}_vs_limit",
+            f"limit_update_{opt}",
+            "limit",
+            f"limit + update, {name} / bytes-inclusive limit",
+            {},
+        ),
         # The same over as many answering processes as PS: what the job's topology alone reaches
-        RatioDef(f"{opt}_vs_limit_update_sharded", tfps, f"limit_update_{opt}_sharded", f"tfps {name} / limit + update, {name}, sharded", {}),
-        RatioDef(f"limit_update_{opt}_sharded_vs_limit", f"limit_update_{opt}_sharded", "limit",
-                 f"limit + update, {name}, sharded / bytes-inclusive limit", {}),
+        RatioDef(
+            f"{opt}_vs_limit_update_sharded",
+            tfps,
+            f"limit_update_{opt}_sharded",
+            f"tfps {name} / limit + update, {name}, sharded",
+            {},
+        ),
+        RatioDef(
+            f"limit_update_{opt}_sharded_vs_limit",
+            f"limit_update_{opt}_sharded",
+            "limit",
+            f"limit + update, {name}, sharded / bytes-inclusive limit",
+            {},
+        ),
     )
 
 
 # The large-embedding shapes' goals, for each optimizer.
 EMBEDDING_RATIOS: tuple[RatioDef, ...] = (
-    RatioDef("limit_sharded_vs_limit", "limit_sharded", "limit", "limit, sharded as the PS / bytes-inclusive limit", {}),
+    RatioDef(
+        "limit_sharded_vs_limit", "limit_sharded", "limit", "limit, sharded as the PS / bytes-inclusive limit", {}
+    ),
     *_embedding_ratios("sgd", "SGD"),
     *_embedding_ratios("adam", "Adam"),
-    RatioDef("checkpoint_stall", "tfps_adam_ckpt:longest_step", "tfps_adam:longest_step",
-             "Adam: longest step while checkpoints are written / longest step without", {}, at_most=True),
-    RatioDef("checkpoint_stall_p99", "tfps_adam_ckpt:p99_step", "tfps_adam:p99_step",
-             "Adam: 99th percentile step while checkpoints are written / without", {}, at_most=True),
+    RatioDef(
+        "checkpoint_stall",
+        "tfps_adam_ckpt:longest_step",
+        "tfps_adam:longest_step",
+        "Adam: longest step while checkpoints are written / longest step without",
+        {},
+        at_most=True,
+    ),
+    RatioDef(
+        "checkpoint_stall_p99",
+        "tfps_adam_ckpt:p99_step",
+        "tfps_adam:p99_step",
+        "Adam: 99th percentile step while checkpoints are written / without",
+        {},
+        at_most=True,
+    ),
 )
 # Cost that does not grow with the table: the large shape over the small one, paired by repeat.
 SCALE = ("10M", "2M")
 SCALE_RATIOS: tuple[RatioDef, ...] = tuple(
-    r for opt, name in (("sgd", "SGD"), ("adam", "Adam")) for r in (
+    r
+    for opt, name in (("sgd", "SGD"), ("adam", "Adam"))
+    for r in (
         RatioDef(f"{opt}_examples", f"tfps_{opt}", f"tfps_{opt}", f"tfps {name} examples/s, 10M / 2M", {"*": 0.8}),
-        RatioDef(f"{opt}_worker_rss", f"tfps_{opt}:worker_peak_rss", f"tfps_{opt}:worker_peak_rss",
-                 f"tfps {name} worker peak RSS, 10M / 2M", {"*": 1.2}, at_most=True),
+        RatioDef(
+            f"{opt}_worker_rss",
+            f"tfps_{opt}:worker_peak_rss",
+            f"tfps_{opt}:worker_peak_rss",
+            f"tfps {name} worker peak RSS, 10M / 2M",
+            {"*": 1.2},
+            at_most=True,
+        ),
     )
 )
 GOODPUT_GOAL = 0.4  # tfps PS push+pull goodput / raw TCP loopback
@@ -169,8 +241,15 @@ def verdict(value: float | None, goal: float | None, at_most: bool = False) -> d
     return {"goal": goal, "met": False, "missed_by_pct": round(missed, 1), "text": text}
 
 
-def paired(repeats: list[dict[str, float | None]], numerator: str, denominator: str, label: str, goal: float | None,
-           at_most: bool = False, over: list[dict[str, float | None]] | None = None) -> dict[str, Any]:
+def paired(
+    repeats: list[dict[str, float | None]],
+    numerator: str,
+    denominator: str,
+    label: str,
+    goal: float | None,
+    at_most: bool = False,
+    over: list[dict[str, float | None]] | None = None,
+) -> dict[str, Any]:
     """One ratio: its value within each repeat, their median, and the verdict against `goal`.
     The denominators come from `over`'s repeats when given (another shape's, paired by repeat)."""
     values = [ratio(r.get(numerator), d.get(denominator)) for r, d in zip(repeats, over or repeats, strict=False)]
@@ -182,11 +261,17 @@ def _paired(repeats: list[dict], rdef: RatioDef, shape: str, over: list[dict] | 
     return paired(repeats, rdef.numerator, rdef.denominator, rdef.label, rdef.goal(shape), rdef.at_most, over)
 
 
-def summarize_shape(shape: str, repeats: list[dict[str, float | None]], ratios: tuple[RatioDef, ...] = RATIOS) -> dict[str, Any]:
+def summarize_shape(
+    shape: str, repeats: list[dict[str, float | None]], ratios: tuple[RatioDef, ...] = RATIOS
+) -> dict[str, Any]:
     """The median of every measured figure and, for each ratio, the per-repeat (paired) values and their median."""
     keys = list(dict.fromkeys(k for r in repeats for k in r))
     medians = {key: median([r.get(key) for r in repeats]) for key in keys}
-    return {"repeats": repeats, "medians": medians, "ratios": {rdef.key: _paired(repeats, rdef, shape) for rdef in ratios}}
+    return {
+        "repeats": repeats,
+        "medians": medians,
+        "ratios": {rdef.key: _paired(repeats, rdef, shape) for rdef in ratios},
+    }
 
 
 def summarize_scale(rows: dict[str, list[dict]]) -> dict[str, Any] | None:
@@ -278,19 +363,40 @@ def _dense_table(shapes: dict[str, Any]):
 def _embedding_table(embedding: dict[str, Any]):
     from rich.table import Table
 
-    table = Table(title="large embeddings: medians of repeats (MiB: bytes per worker step, peak RSS; ms: worker 0's steps)")
-    for col in ("shape", "system", "examples/s", "wire MiB/step", "PS peak RSS", "PS state", "worker peak RSS",
-                "median ms", "p99 / longest ms"):
+    table = Table(
+        title="large embeddings: medians of repeats (MiB: bytes per worker step, peak RSS; ms: worker 0's steps)"
+    )
+    for col in (
+        "shape",
+        "system",
+        "examples/s",
+        "wire MiB/step",
+        "PS peak RSS",
+        "PS state",
+        "worker peak RSS",
+        "median ms",
+        "p99 / longest ms",
+    ):
         table.add_column(col, justify="left" if col in ("shape", "system") else "right")
     for name, shape in embedding["shapes"].items():
         med = shape["medians"]
         for key, label in EMBEDDING_SYSTEMS.items():
             opt = key.rsplit("_", 2)[1] if key.startswith("tfps_adam") else key.rsplit("_", 1)[-1]
             wire = med.get(f"{key}:wire_bytes_per_step", med.get(f"{key}:bytes_per_step"))
-            state = med.get(f"state_{opt}:shard") if not key.startswith("limit") else None  # the limit's process holds whole tables
-            table.add_row(name, label, _fmt_rate(med.get(key)), _mib(wire), _mib(med.get(f"{key}:ps_peak_rss")), _mib(state),
-                          _mib(med.get(f"{key}:worker_peak_rss")), _ms(med.get(f"{key}:median_step")),
-                          _ms_pair(med.get(f"{key}:p99_step"), med.get(f"{key}:longest_step")))
+            state = (
+                med.get(f"state_{opt}:shard") if not key.startswith("limit") else None
+            )  # the limit's process holds whole tables
+            table.add_row(
+                name,
+                label,
+                _fmt_rate(med.get(key)),
+                _mib(wire),
+                _mib(med.get(f"{key}:ps_peak_rss")),
+                _mib(state),
+                _mib(med.get(f"{key}:worker_peak_rss")),
+                _ms(med.get(f"{key}:median_step")),
+                _ms_pair(med.get(f"{key}:p99_step"), med.get(f"{key}:longest_step")),
+            )
     return table
 
 
@@ -301,7 +407,10 @@ def _cpu_table(report: dict[str, Any]):
     table = Table(title="CPU per worker step: medians of repeats (core-ms)")
     for col in ("shape", "system", "workers", "PS", "total"):
         table.add_column(col, justify="left" if col in ("shape", "system") else "right")
-    groups = [(report.get("shapes", {}), SYSTEMS), ((report.get("embedding") or {}).get("shapes", {}), EMBEDDING_SYSTEMS)]
+    groups = [
+        (report.get("shapes", {}), SYSTEMS),
+        ((report.get("embedding") or {}).get("shapes", {}), EMBEDDING_SYSTEMS),
+    ]
     for shapes, systems in groups:
         for name, shape in shapes.items():
             med = shape["medians"]
@@ -345,8 +454,11 @@ def render(report: dict[str, Any], console) -> None:
 
     _print_machine(report, console)
     embedding = report.get("embedding")
-    for table, legend in ((report.get("shapes") and _dense_table(report["shapes"]), LEGEND),
-                          (embedding and _embedding_table(embedding), EMBEDDING_LEGEND), (_cpu_table(report), CPU_LEGEND)):
+    for table, legend in (
+        (report.get("shapes") and _dense_table(report["shapes"]), LEGEND),
+        (embedding and _embedding_table(embedding), EMBEDDING_LEGEND),
+        (_cpu_table(report), CPU_LEGEND),
+    ):
         if table:
             console.print(table)
             console.print(legend)

@@ -5,6 +5,7 @@ shapes) with its sizes, batch, workers and PS, the same optimizer as the anchors
 checkpoints unless asked. `tfps local` reports the steady-state examples/s (start-up
 excluded), the bytes through the PS, each process's peak RSS and worker 0's step times.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,16 @@ def examples_for(rate: float, cfg: dict) -> float:
     return rate * seconds * 1.15
 
 
-def manifest(shape, mode: str, steps: int, learning_rate: float = 0.01, seed: int = 0, wire_dtype: str = "float32",
-             optimizer: str = "sgd", every_steps: int = NO_CHECKPOINT_STEPS) -> dict:
+def manifest(
+    shape,
+    mode: str,
+    steps: int,
+    learning_rate: float = 0.01,
+    seed: int = 0,
+    wire_dtype: str = "float32",
+    optimizer: str = "sgd",
+    every_steps: int = NO_CHECKPOINT_STEPS,
+) -> dict:
     """The TrainingJob that `tfps local` runs for one measurement (`shape`: bench/mlp.py's or bench/embedding.py's)."""
     suffix = ("" if wire_dtype == "float32" else f"-{wire_dtype}") + ("" if optimizer == "sgd" else f"-{optimizer}")
     return {
@@ -68,8 +77,17 @@ def manifest(shape, mode: str, steps: int, learning_rate: float = 0.01, seed: in
     }
 
 
-def measure(shape, mode: str, examples: float, expected_rate: float, learning_rate: float = 0.01, seed: int = 0,
-            wire_dtype: str = "float32", optimizer: str = "sgd", every_steps: int = NO_CHECKPOINT_STEPS) -> dict:
+def measure(
+    shape,
+    mode: str,
+    examples: float,
+    expected_rate: float,
+    learning_rate: float = 0.01,
+    seed: int = 0,
+    wire_dtype: str = "float32",
+    optimizer: str = "sgd",
+    every_steps: int = NO_CHECKPOINT_STEPS,
+) -> dict:
     """Run the manifest for about `examples` examples; `expected_rate` (examples/s) sizes the timeout."""
     steps = steps_for(mode, shape, examples)
     timeout = STARTUP_ALLOWANCE_S + 8 * examples / max(expected_rate, 1.0)
@@ -92,7 +110,9 @@ def _per_step(result: dict, mode: str, shape) -> dict:
     rss, steps = result.get("peak_rss_bytes") or {}, result.get("step_seconds") or {}
     worker_steps = (result.get("steps") or 0) * (shape.workers if mode == "sync" else 1)
     return {
-        "wire_bytes_per_step": result["wire_bytes"] / worker_steps if result.get("wire_bytes") and worker_steps else None,
+        "wire_bytes_per_step": result["wire_bytes"] / worker_steps
+        if result.get("wire_bytes") and worker_steps
+        else None,
         "ps_peak_rss": max((v for k, v in rss.items() if k.startswith("ps-") and v), default=None),
         "worker_peak_rss": max((v for k, v in rss.items() if k.startswith("worker-") and v), default=None),
         "longest_step": steps.get("max"),  # worker 0's, past its first tenth

@@ -3,6 +3,7 @@
 Each subcommand imports its implementation lazily, so `tfps ps` starts without kopf or
 kubernetes, and `tfps operator` without TensorFlow.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -19,6 +19,7 @@ State folder ($TFPS_STATE, default <repo>/.tfps):
   logs/          one log per component
   node/          the node's configuration files and kubeconfigs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,11 +95,20 @@ def binary(name: str) -> Path:
 
 
 def missing_binaries() -> list[str]:
-    names = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kubelet",
-             "kube-proxy", "coredns", "kube-router", "pause")
+    names = (
+        "etcd",
+        "kube-apiserver",
+        "kube-controller-manager",
+        "kube-scheduler",
+        "kubectl",
+        "kubelet",
+        "kube-proxy",
+        "coredns",
+        "kube-router",
+        "pause",
+    )
     missing = [n for n in names if not os.access(binary(n), os.X_OK)]
-    return missing + [n for n in ("containerd", "runc", "ctr", "buildah", "ipset", "iptables")
-                      if not shutil.which(n)]
+    return missing + [n for n in ("containerd", "runc", "ctr", "buildah", "ipset", "iptables") if not shutil.which(n)]
 
 
 def venv_python() -> str:
@@ -240,9 +250,15 @@ def spawn(p: Paths, comp: str, argv: list[str], env: dict | None = None) -> int:
     with open(p.logfile(comp), "ab") as out:
         out.write(f"\n==== {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} start {' '.join(argv)}\n".encode())
         out.flush()
-        proc = subprocess.Popen([sys.executable, str(SUPERVISE), comp, "--", *argv], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=env,
-                                cwd=p.root)
+        proc = subprocess.Popen(
+            [sys.executable, str(SUPERVISE), comp, "--", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+            cwd=p.root,
+        )
     p.pidfile(comp).write_text(json.dumps({"pid": proc.pid, "start": proc_start_ticks(proc.pid), "argv": argv}))
     log.info("started %s pid=%d log=%s", comp, proc.pid, p.logfile(comp))
     return proc.pid
@@ -265,20 +281,16 @@ def stop(p: Paths, comp: str, timeout: float = 15.0) -> None:
         p.pidfile(comp).unlink(missing_ok=True)
         return
     log.info("stopping %s pid=%d", comp, pid)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and recorded_pid(p, comp) is not None:
         time.sleep(0.1)
     if recorded_pid(p, comp) is not None:
         log.warning("%s did not stop in %.0fs: SIGKILL", comp, timeout)
         for victim in (pid, *children(pid)):  # the supervisor first, so it starts nothing new
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         while recorded_pid(p, comp) is not None:
             time.sleep(0.1)
     p.pidfile(comp).unlink(missing_ok=True)
@@ -292,11 +304,22 @@ def openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-SERVING_SANS = ["IP:127.0.0.1", f"IP:{node.NODE_IP}", f"IP:{node.KUBERNETES_SERVICE_IP}", "DNS:localhost",
-                "DNS:kubernetes", "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
-                "DNS:kubernetes.default.svc.cluster.local"]
-SERVER_EXT = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
-CLIENT_EXT = "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
+SERVING_SANS = [
+    "IP:127.0.0.1",
+    f"IP:{node.NODE_IP}",
+    f"IP:{node.KUBERNETES_SERVICE_IP}",
+    "DNS:localhost",
+    "DNS:kubernetes",
+    "DNS:kubernetes.default",
+    "DNS:kubernetes.default.svc",
+    "DNS:kubernetes.default.svc.cluster.local",
+]
+SERVER_EXT = (
+    "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n"
+)
+CLIENT_EXT = (
+    "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=clientAuth\n"
+)
 # name -> (subject, extensions); every leaf is signed by the one CA.
 LEAVES = {
     "apiserver": ("/CN=kube-apiserver", SERVER_EXT + f"subjectAltName={','.join(SERVING_SANS)}\n"),
@@ -319,18 +342,61 @@ def ensure_pki(p: Paths) -> None:
     (d / "layout").write_text(PKI_LAYOUT)
     if not (d / "ca.crt").exists():
         log.info("creating PKI in %s", d)
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-                "-days", "3650", "-subj", "/CN=tfps-local-ca",
-                "-addext", "basicConstraints=critical,CA:TRUE",
-                "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=d)
+        openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "3650",
+            "-subj",
+            "/CN=tfps-local-ca",
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+            cwd=d,
+        )
     for name, (subj, ext) in LEAVES.items():
         if (d / f"{name}.crt").exists():
             continue
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", subj, cwd=d)
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            subj,
+            cwd=d,
+        )
         (d / f"{name}.ext").write_text(ext)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", f"{name}.crt.tmp", "-days", "3650", "-extfile", f"{name}.ext", cwd=d)
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt.tmp",
+            "-days",
+            "3650",
+            "-extfile",
+            f"{name}.ext",
+            cwd=d,
+        )
         (d / f"{name}.crt.tmp").rename(d / f"{name}.crt")
     if not (d / "sa.pub").exists():
         openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=d)
@@ -348,12 +414,12 @@ clusters:
 - name: tfps-local
   cluster:
     server: {url}
-    certificate-authority: {pki / 'ca.crt'}
+    certificate-authority: {pki / "ca.crt"}
 users:
 - name: tfps-admin
   user:
-    client-certificate: {pki / f'{user}.crt'}
-    client-key: {pki / f'{user}.key'}
+    client-certificate: {pki / f"{user}.crt"}
+    client-key: {pki / f"{user}.key"}
 contexts:
 - name: tfps-local
   context: {{cluster: tfps-local, user: tfps-admin, namespace: default}}
@@ -374,8 +440,15 @@ def ssl_context(p: Paths) -> ssl.SSLContext:
     return ctx
 
 
-def api_call(p: Paths, url: str, path: str, timeout: float = 3.0, method: str = "GET", body: object = None,
-            content_type: str = "application/json") -> tuple[int, bytes]:
+def api_call(
+    p: Paths,
+    url: str,
+    path: str,
+    timeout: float = 3.0,
+    method: str = "GET",
+    body: object = None,
+    content_type: str = "application/json",
+) -> tuple[int, bytes]:
     """One API call as the admin: (HTTP status, body); status 0 when the server did not answer."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": content_type})
@@ -402,11 +475,13 @@ def wait_for(what: str, check, timeout: float, comp: str, p: Paths) -> None:
         if check():
             return
         if recorded_pid(p, comp) is None:
-            raise SystemExit(f"{comp} exited while waiting for {what}; see {p.logfile(comp)}:\n"
-                             + tail(p.logfile(comp)))
+            raise SystemExit(
+                f"{comp} exited while waiting for {what}; see {p.logfile(comp)}:\n" + tail(p.logfile(comp))
+            )
         time.sleep(0.3)
-    raise SystemExit(f"timed out after {timeout:.0f}s waiting for {what}; see {p.logfile(comp)}:\n"
-                     + tail(p.logfile(comp)))
+    raise SystemExit(
+        f"timed out after {timeout:.0f}s waiting for {what}; see {p.logfile(comp)}:\n" + tail(p.logfile(comp))
+    )
 
 
 def tail(path: Path, n: int = 25) -> str:
@@ -423,59 +498,87 @@ def tail(path: Path, n: int = 25) -> str:
 def etcd_argv(p: Paths, info: dict) -> list[str]:
     client = f"http://127.0.0.1:{info['etcd_port']}"
     peer = f"http://127.0.0.1:{info['etcd_peer_port']}"
-    return [str(binary("etcd")), "--name=tfps", f"--data-dir={p.etcd_data}",
-            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
-            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=tfps={peer}", "--unsafe-no-fsync", "--log-level=warn",
-            "--quota-backend-bytes=4294967296"]
+    return [
+        str(binary("etcd")),
+        "--name=tfps",
+        f"--data-dir={p.etcd_data}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=tfps={peer}",
+        "--unsafe-no-fsync",
+        "--log-level=warn",
+        "--quota-backend-bytes=4294967296",
+    ]
 
 
 def apiserver_argv(p: Paths, info: dict) -> list[str]:
     pki = p.pki
-    return [str(binary("kube-apiserver")),
-            f"--etcd-servers=http://127.0.0.1:{info['etcd_port']}",
-            # the node address: pods reach it through the `kubernetes` Service (kube-proxy)
-            f"--bind-address={node.NODE_IP}", f"--advertise-address={node.NODE_IP}",
-            f"--secure-port={info['apiserver_port']}",
-            f"--cert-dir={pki}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--client-ca-file={pki / 'ca.crt'}",
-            f"--service-account-issuer=https://127.0.0.1:{info['apiserver_port']}",
-            f"--service-account-key-file={pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
-            "--authorization-mode=Node,RBAC",
-            f"--service-cluster-ip-range={node.SERVICE_CIDR}",
-            "--endpoint-reconciler-type=lease",
-            # logs, exec and port-forward go to the kubelet by the node's address, never by its host
-            # name (which would need a DNS server off the machine)
-            "--kubelet-preferred-address-types=InternalIP",
-            f"--kubelet-client-certificate={pki / 'admin.crt'}", f"--kubelet-client-key={pki / 'admin.key'}",
-            f"--kubelet-certificate-authority={pki / 'ca.crt'}",
-            "--allow-privileged=true",
-            FEATURE_GATES, "--runtime-config=scheduling.k8s.io/v1alpha1=true",
-            "--profiling=false",
-            "--v=1"]
+    return [
+        str(binary("kube-apiserver")),
+        f"--etcd-servers=http://127.0.0.1:{info['etcd_port']}",
+        # the node address: pods reach it through the `kubernetes` Service (kube-proxy)
+        f"--bind-address={node.NODE_IP}",
+        f"--advertise-address={node.NODE_IP}",
+        f"--secure-port={info['apiserver_port']}",
+        f"--cert-dir={pki}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}",
+        f"--tls-private-key-file={pki / 'apiserver.key'}",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        f"--service-account-issuer=https://127.0.0.1:{info['apiserver_port']}",
+        f"--service-account-key-file={pki / 'sa.pub'}",
+        f"--service-account-signing-key-file={pki / 'sa.key'}",
+        "--authorization-mode=Node,RBAC",
+        f"--service-cluster-ip-range={node.SERVICE_CIDR}",
+        "--endpoint-reconciler-type=lease",
+        # logs, exec and port-forward go to the kubelet by the node's address, never by its host
+        # name (which would need a DNS server off the machine)
+        "--kubelet-preferred-address-types=InternalIP",
+        f"--kubelet-client-certificate={pki / 'admin.crt'}",
+        f"--kubelet-client-key={pki / 'admin.key'}",
+        f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+        "--allow-privileged=true",
+        FEATURE_GATES,
+        "--runtime-config=scheduling.k8s.io/v1alpha1=true",
+        "--profiling=false",
+        "--v=1",
+    ]
 
 
 def controller_manager_argv(p: Paths, info: dict) -> list[str]:
     pki = p.pki
-    return [str(binary("kube-controller-manager")),
-            f"--kubeconfig={p.kubeconfig}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
-            f"--service-account-private-key-file={pki / 'sa.key'}",
-            f"--root-ca-file={pki / 'ca.crt'}",
-            f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
-            # No cloud, no pod CIDRs: leave out the controllers that only make sense with them.
-            "--controllers=*,-cloud-node-lifecycle-controller,-node-ipam-controller,"
-            "-service-lb-controller,-node-route-controller",
-            FEATURE_GATES, "--profiling=false", "--v=1"]
+    return [
+        str(binary("kube-controller-manager")),
+        f"--kubeconfig={p.kubeconfig}",
+        "--leader-elect=false",
+        "--bind-address=127.0.0.1",
+        "--secure-port=0",
+        f"--service-account-private-key-file={pki / 'sa.key'}",
+        f"--root-ca-file={pki / 'ca.crt'}",
+        f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+        f"--cluster-signing-key-file={pki / 'ca.key'}",
+        # No cloud, no pod CIDRs: leave out the controllers that only make sense with them.
+        "--controllers=*,-cloud-node-lifecycle-controller,-node-ipam-controller,"
+        "-service-lb-controller,-node-route-controller",
+        FEATURE_GATES,
+        "--profiling=false",
+        "--v=1",
+    ]
 
 
 def scheduler_argv(p: Paths, info: dict) -> list[str]:
-    return [str(binary("kube-scheduler")), f"--kubeconfig={p.kubeconfig}",
-            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
-            # v=2: each binding, each "no fit" and each preemption, for the failure reports
-            FEATURE_GATES, "--profiling=false", "--v=2"]
+    return [
+        str(binary("kube-scheduler")),
+        f"--kubeconfig={p.kubeconfig}",
+        "--leader-elect=false",
+        "--bind-address=127.0.0.1",
+        "--secure-port=0",
+        # v=2: each binding, each "no fit" and each preemption, for the failure reports
+        FEATURE_GATES,
+        "--profiling=false",
+        "--v=2",
+    ]
 
 
 def containerd_argv(p: Paths, info: dict) -> list[str]:
@@ -483,9 +586,15 @@ def containerd_argv(p: Paths, info: dict) -> list[str]:
 
 
 def kubelet_argv(p: Paths, info: dict) -> list[str]:
-    return [str(binary("kubelet")), f"--config={p.node / 'kubelet.yaml'}",
-            f"--kubeconfig={p.node / 'kubelet.kubeconfig'}", f"--root-dir={node.NODE_ROOT / 'kubelet'}",
-            f"--hostname-override={NODE_NAME}", f"--node-ip={node.NODE_IP}", "--v=1"]
+    return [
+        str(binary("kubelet")),
+        f"--config={p.node / 'kubelet.yaml'}",
+        f"--kubeconfig={p.node / 'kubelet.kubeconfig'}",
+        f"--root-dir={node.NODE_ROOT / 'kubelet'}",
+        f"--hostname-override={NODE_NAME}",
+        f"--node-ip={node.NODE_IP}",
+        "--v=1",
+    ]
 
 
 def kube_proxy_argv(p: Paths, info: dict) -> list[str]:
@@ -500,10 +609,17 @@ def kube_router_argv(p: Paths, info: dict) -> list[str]:
     return node.kube_router_argv(str(binary("kube-router")), p.kubeconfig)
 
 
-ARGV = {"etcd": etcd_argv, "kube-apiserver": apiserver_argv,
-        "kube-controller-manager": controller_manager_argv, "kube-scheduler": scheduler_argv,
-        "containerd": containerd_argv, "kubelet": kubelet_argv, "kube-proxy": kube_proxy_argv,
-        "coredns": coredns_argv, "kube-router": kube_router_argv}
+ARGV = {
+    "etcd": etcd_argv,
+    "kube-apiserver": apiserver_argv,
+    "kube-controller-manager": controller_manager_argv,
+    "kube-scheduler": scheduler_argv,
+    "containerd": containerd_argv,
+    "kubelet": kubelet_argv,
+    "kube-proxy": kube_proxy_argv,
+    "coredns": coredns_argv,
+    "kube-router": kube_router_argv,
+}
 
 
 def default_sa_exists(p: Paths, url: str) -> bool:
@@ -526,7 +642,8 @@ def node_ready(p: Paths, url: str, since: float = 0.0) -> bool:
     """The node is Ready, by a status the kubelet posted at or after `since` (epoch seconds) when given."""
     _, ready, _ = ready_condition(p, url)
     return ready.get("status") == "True" and calendar.timegm(
-        time.strptime(ready.get("lastHeartbeatTime", "1970-01-01T00:00:00Z"), "%Y-%m-%dT%H:%M:%SZ")) >= int(since)
+        time.strptime(ready.get("lastHeartbeatTime", "1970-01-01T00:00:00Z"), "%Y-%m-%dT%H:%M:%SZ")
+    ) >= int(since)
 
 
 def node_summary(p: Paths, url: str) -> str:
@@ -535,15 +652,26 @@ def node_summary(p: Paths, url: str) -> str:
     if code != 200:
         return f"not readable (HTTP {code or 'no answer'})"
     names = [f"{t.get('key')}:{t.get('effect')}" for t in taints]
-    return (f"Ready={ready.get('status', '?')} ({ready.get('reason', '')}, last heartbeat "
-            f"{ready.get('lastHeartbeatTime', '?')}), taints: {', '.join(names) or 'none'}")
+    return (
+        f"Ready={ready.get('status', '?')} ({ready.get('reason', '')}, last heartbeat "
+        f"{ready.get('lastHeartbeatTime', '?')}), taints: {', '.join(names) or 'none'}"
+    )
 
 
 def advertise_extended_resources(p: Paths, url: str) -> None:
-    patch = [{"op": "add", "path": f"/status/capacity/{name.replace('/', '~1')}", "value": value}
-             for name, value in node.EXTENDED_RESOURCES.items()]
-    code, body = api_call(p, url, f"/api/v1/nodes/{NODE_NAME}/status", timeout=10, method="PATCH", body=patch,
-                         content_type="application/json-patch+json")
+    patch = [
+        {"op": "add", "path": f"/status/capacity/{name.replace('/', '~1')}", "value": value}
+        for name, value in node.EXTENDED_RESOURCES.items()
+    ]
+    code, body = api_call(
+        p,
+        url,
+        f"/api/v1/nodes/{NODE_NAME}/status",
+        timeout=10,
+        method="PATCH",
+        body=patch,
+        content_type="application/json-patch+json",
+    )
     if code != 200:
         raise SystemExit(f"could not advertise {node.EXTENDED_RESOURCES} on node {NODE_NAME}: {code} {body[:300]!r}")
 
@@ -582,8 +710,9 @@ def load_images(p: Paths) -> None:
         if not archive.exists():
             build_pause_image(archive)
         ctr("images", "import", "--no-unpack", str(archive))
-    proc = subprocess.run([str(REPO / "hack" / "load-images.sh"), "--address", str(node.CONTAINERD_SOCK)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [str(REPO / "hack" / "load-images.sh"), "--address", str(node.CONTAINERD_SOCK)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         log.warning("the project's images were not loaded (run `make images`):\n%s", proc.stderr[-2000:])
     else:
@@ -596,9 +725,18 @@ def build_pause_image(archive: Path) -> None:
     ctx = archive.parent / "pause-context"
     ctx.mkdir(exist_ok=True)
     shutil.copy(binary("pause"), ctx / "pause")
-    (ctx / "Containerfile").write_text("FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT [\"/pause\"]\n")
-    node.sh("buildah", "bud", "--isolation=chroot", "--pull=never", "-t", pause_image(), "-f",
-            str(ctx / "Containerfile"), str(ctx))
+    (ctx / "Containerfile").write_text('FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n')
+    node.sh(
+        "buildah",
+        "bud",
+        "--isolation=chroot",
+        "--pull=never",
+        "-t",
+        pause_image(),
+        "-f",
+        str(ctx / "Containerfile"),
+        str(ctx),
+    )
     node.sh("buildah", "push", pause_image(), f"docker-archive:{archive}.partial:{pause_image()}")
     Path(f"{archive}.partial").rename(archive)
 
@@ -638,9 +776,11 @@ def up(p: Paths, with_node: bool, session: int | None = None) -> dict:
         raise SystemExit("hack/cluster.sh up needs root: the node makes a bridge, iptables rules and cgroups")
     missing = missing_binaries()
     if missing:
-        raise SystemExit(f"cluster parts missing: {', '.join(missing)} (binaries looked for in {bin_dir()}); "
-                         f"run `make cluster-tools` (hack/build-cluster.sh, hack/build-node.sh, "
-                         f"hack/install-system-deps.sh)")
+        raise SystemExit(
+            f"cluster parts missing: {', '.join(missing)} (binaries looked for in {bin_dir()}); "
+            f"run `make cluster-tools` (hack/build-cluster.sh, hack/build-node.sh, "
+            f"hack/install-system-deps.sh)"
+        )
     t0 = time.monotonic()
     p.root.mkdir(parents=True, exist_ok=True)
     ensure_pki(p)
@@ -679,8 +819,12 @@ def up(p: Paths, with_node: bool, session: int | None = None) -> dict:
         load_images(p)  # images rebuilt since the node started (a no-op when it has them)
 
     info = {**info, "started": started, "seconds": round(time.monotonic() - t0, 1)}
-    log.info("cluster up at %s (started: %s) in %.1fs", info["apiserver_url"], ", ".join(started) or "nothing, reused",
-             info["seconds"])
+    log.info(
+        "cluster up at %s (started: %s) in %.1fs",
+        info["apiserver_url"],
+        ", ".join(started) or "nothing, reused",
+        info["seconds"],
+    )
     return info
 
 
@@ -689,8 +833,13 @@ def start_fresh_etcd(p: Paths, session: int | None) -> dict:
     ports = set()
     while len(ports) < 5:
         ports.add(free_port())
-    info = dict(zip(("etcd_port", "etcd_peer_port", "apiserver_port", "dns_health_port", "dns_ready_port"),
-                    sorted(ports), strict=True))
+    info = dict(
+        zip(
+            ("etcd_port", "etcd_peer_port", "apiserver_port", "dns_health_port", "dns_ready_port"),
+            sorted(ports),
+            strict=True,
+        )
+    )
     info["owner"] = "session" if session else "manual"
     info["apiserver_url"] = f"https://{node.NODE_IP}:{info['apiserver_port']}"
     p.info.write_text(json.dumps(info, indent=1))
@@ -717,11 +866,17 @@ def start_control_plane(p: Paths, info: dict, running: dict[str, bool]) -> list[
         if not running[comp]:
             spawn(p, comp, ARGV[comp](p, info))
             started.append(comp)
-    wait_for("the default ServiceAccount (controller-manager)", lambda: default_sa_exists(p, url), 90,
-             "kube-controller-manager", p)
+    wait_for(
+        "the default ServiceAccount (controller-manager)",
+        lambda: default_sa_exists(p, url),
+        90,
+        "kube-controller-manager",
+        p,
+    )
     if recorded_pid(p, "kube-scheduler") is None:
-        raise SystemExit(f"kube-scheduler exited; see {p.logfile('kube-scheduler')}:\n"
-                         + tail(p.logfile("kube-scheduler")))
+        raise SystemExit(
+            f"kube-scheduler exited; see {p.logfile('kube-scheduler')}:\n" + tail(p.logfile("kube-scheduler"))
+        )
     return started
 
 
@@ -787,8 +942,9 @@ def restart(p: Paths, comps: list[str]) -> list[str]:
         elif comp == "containerd":
             wait_for("containerd", containerd_ready, 60, comp, p)
         elif comp == "kubelet":
-            wait_for(f"node {NODE_NAME} Ready, posted by the new kubelet", lambda: node_ready(p, url, since=t0), 120,
-                     comp, p)
+            wait_for(
+                f"node {NODE_NAME} Ready, posted by the new kubelet", lambda: node_ready(p, url, since=t0), 120, comp, p
+            )
     log.info("restarted %s", ", ".join(order))
     return order
 
@@ -847,12 +1003,11 @@ def main(argv: list[str] | None = None) -> int:
     rs = sub.add_parser("restart", help="stop and start components keeping etcd's data (also starts stopped ones)")
     rs.add_argument("components", nargs="+", choices=COMPONENTS)
     sub.add_parser("status", help="show components; exit 1 unless all run and the API is ready")
-    sub.add_parser("env", help="print shell exports (eval \"$(hack/cluster.sh env)\")")
+    sub.add_parser("env", help='print shell exports (eval "$(hack/cluster.sh env)")')
     sub.add_parser("kubeconfig", help="print the kubeconfig path")
     sub.add_parser("logs", help="print the logs folder")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     p = Paths(args.state_dir or state_dir())
     if args.cmd == "up":
         with locked(p):

@@ -3,6 +3,7 @@
 Used by `make demo`; reads only what any user can read (the TrainingJob's status and Events, and
 its pods' container statuses, for the images that ran).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -100,8 +101,11 @@ def summary(console: Console, obj: dict, rates: list[float], images: dict[str, s
     table = Table(title=f"TrainingJob {meta['namespace']}/{meta['name']}", show_header=False)
     table.add_row("phase", status.get("phase", "?"))
     table.add_row("steps", str(progress.get("step", "?")))
-    for key, label, fmt in (("loss", "final loss", "{:.4f}"), ("accuracy", "test accuracy", "{:.4f}"),
-                            ("auc", "test AUC", "{:.4f}")):
+    for key, label, fmt in (
+        ("loss", "final loss", "{:.4f}"),
+        ("accuracy", "test accuracy", "{:.4f}"),
+        ("auc", "test AUC", "{:.4f}"),
+    ):
         if key in progress or key != "auc":
             table.add_row(label, fmt.format(progress[key]) if key in progress else "n/a")
     table.add_row("examples/s (median while training)", f"{statistics.median(rates):.0f}" if rates else "n/a")

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes the TrainingJob reference in README.md from the CRD's descriptions (crds/ is the one
 source). `--check` exits 1 when README.md is stale (a unit test runs it)."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,15 @@ def _facts(node: dict) -> str:
     if "default" in node:
         out.append(f"default `{json.dumps(node['default'])}`")
     if "enum" in node:
-        out.append("one of " + ", ".join(f"`{v}`" if v != "" else "`\"\"`" for v in node["enum"]))
-    for key, word in (("minimum", "≥"), ("maximum", "≤"), ("maxLength", "length ≤"), ("minItems", "items ≥"),
-                      ("maxItems", "items ≤"), ("minProperties", "entries ≥")):
+        out.append("one of " + ", ".join(f"`{v}`" if v != "" else '`""`' for v in node["enum"]))
+    for key, word in (
+        ("minimum", "≥"),
+        ("maximum", "≤"),
+        ("maxLength", "length ≤"),
+        ("minItems", "items ≥"),
+        ("maxItems", "items ≤"),
+        ("minProperties", "entries ≥"),
+    ):
         if key in node:
             out.append(f"{word} {node[key]}")
     return "; ".join(out)
@@ -58,10 +65,14 @@ def render() -> str:
     crd = next(d for d in yaml.safe_load_all(CRD.read_text()) if d and d.get("kind") == "CustomResourceDefinition")
     version = crd["spec"]["versions"][0]
     schema = version["schema"]["openAPIV3Schema"]
-    lines = [START, "",
-             f"Generated from `crds/trainingjob.yaml` by `hack/gen-api-reference.py` "
-             f"(`{crd['spec']['group']}/{version['name']}`, kind `{crd['spec']['names']['kind']}`, "
-             f"short name `{crd['spec']['names']['shortNames'][0]}`).", ""]
+    lines = [
+        START,
+        "",
+        f"Generated from `crds/trainingjob.yaml` by `hack/gen-api-reference.py` "
+        f"(`{crd['spec']['group']}/{version['name']}`, kind `{crd['spec']['names']['kind']}`, "
+        f"short name `{crd['spec']['names']['shortNames'][0]}`).",
+        "",
+    ]
     for section in ("spec", "status"):
         lines += [f"#### `{section}`", "", "| field | type | default / bounds | description |", "|---|---|---|---|"]
         lines += [f"| `{p}` | {t} | {f} | {d} |" for p, t, f, d in rows(schema["properties"][section], "")]

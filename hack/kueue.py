@@ -23,6 +23,7 @@ Usage (the cluster must be up; root, for the mount namespace):
     hack/kueue.py up      # runs until interrupted
     hack/kueue.py down    # removes what a killed run left
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,9 +38,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import yaml
 
@@ -52,8 +53,10 @@ MODULE = "sigs.k8s.io/kueue"
 NAMESPACE_LABEL = ("tfps.io/kueue", "on")
 # Every object installed here carries this label; `down` finds them by it.
 OWNER_LABEL = ("app.kubernetes.io/managed-by", "tfps-hack-kueue")
-WEBHOOK_NAMES = {"MutatingWebhookConfiguration": "tfps-kueue-mutating",
-                 "ValidatingWebhookConfiguration": "tfps-kueue-validating"}
+WEBHOOK_NAMES = {
+    "MutatingWebhookConfiguration": "tfps-kueue-mutating",
+    "ValidatingWebhookConfiguration": "tfps-kueue-validating",
+}
 KUEUE_GROUP = "kueue.x-k8s.io"
 POD_FINALIZER = "kueue.x-k8s.io/managed"
 METRICS_CERTS = "/etc/kueue/metrics/certs"  # fixed in Kueue's cmd/kueue/main.go
@@ -69,8 +72,13 @@ def binary() -> Path:
 
 def module_dir() -> Path:
     """Kueue's module source (its CRDs and webhook manifests), downloaded if not cached."""
-    out = subprocess.run(["go", "mod", "download", "-json", f"{MODULE}@{version()}"], check=True,
-                         capture_output=True, text=True, env={**os.environ, "GOTOOLCHAIN": "local"})
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", f"{MODULE}@{version()}"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GOTOOLCHAIN": "local"},
+    )
     return Path(json.loads(out.stdout)["Dir"])
 
 
@@ -79,8 +87,13 @@ def module_dir() -> Path:
 
 
 def kubectl(kubeconfig: Path, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(cluster.binary("kubectl")), f"--kubeconfig={kubeconfig}", *args], input=stdin,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(cluster.binary("kubectl")), f"--kubeconfig={kubeconfig}", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if check and proc.returncode != 0:
         raise RuntimeError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
     return proc
@@ -92,8 +105,16 @@ def _items(kubeconfig: Path, *args: str) -> list[dict]:
 
 
 def _apply(kubeconfig: Path, objects: list[dict]) -> None:
-    kubectl(kubeconfig, "apply", "--server-side", "--force-conflicts", "--field-manager=tfps-hack-kueue", "-f", "-",
-            stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    kubectl(
+        kubeconfig,
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=tfps-hack-kueue",
+        "-f",
+        "-",
+        stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}),
+    )
 
 
 def _labelled(obj: dict) -> dict:
@@ -137,8 +158,16 @@ def webhooks(module: Path, port: int, ca_pem: bytes) -> list[dict]:
             if any("" in rule.get("apiGroups", []) for rule in hook.get("rules", [])):
                 hook["namespaceSelector"] = {"matchLabels": {NAMESPACE_LABEL[0]: NAMESPACE_LABEL[1]}}
             hooks.append(hook)
-        out.append(_labelled({"apiVersion": doc["apiVersion"], "kind": doc["kind"],
-                              "metadata": {"name": WEBHOOK_NAMES[doc["kind"]]}, "webhooks": hooks}))
+        out.append(
+            _labelled(
+                {
+                    "apiVersion": doc["apiVersion"],
+                    "kind": doc["kind"],
+                    "metadata": {"name": WEBHOOK_NAMES[doc["kind"]]},
+                    "webhooks": hooks,
+                }
+            )
+        )
     return out
 
 
@@ -161,15 +190,58 @@ def make_certs(d: Path) -> bytes:
     """A CA and a serving certificate for 127.0.0.1 (tls.crt, tls.key: controller-runtime's names);
     the CA's PEM, for the webhooks' caBundle."""
     d.mkdir(parents=True, exist_ok=True)
-    cluster.openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-                    "-days", "2", "-subj", "/CN=tfps-kueue-webhook-ca",
-                    "-addext", "basicConstraints=critical,CA:TRUE",
-                    "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", cwd=d)
-    cluster.openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr",
-                    "-subj", "/CN=kueue-webhook", cwd=d)
+    cluster.openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=tfps-kueue-webhook-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        cwd=d,
+    )
+    cluster.openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+        "-subj",
+        "/CN=kueue-webhook",
+        cwd=d,
+    )
     (d / "tls.ext").write_text(cluster.SERVER_EXT + "subjectAltName=IP:127.0.0.1\n")
-    cluster.openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                    "-out", "tls.crt", "-days", "2", "-extfile", "tls.ext", cwd=d)
+    cluster.openssl(
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "tls.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "tls.ext",
+        cwd=d,
+    )
     return (d / "ca.crt").read_bytes()
 
 
@@ -178,12 +250,25 @@ def argv(kubeconfig: Path, config: Path, work: Path, certs: Path) -> list[str]:
     upper, scratch = work / "etc-upper", work / "etc-work"
     upper.mkdir(parents=True, exist_ok=True)
     scratch.mkdir(parents=True, exist_ok=True)
-    setup = (f"mount -t overlay overlay -o lowerdir=/etc,upperdir={upper},workdir={scratch} /etc"
-             f" && mkdir -p {Path(METRICS_CERTS).parent} && ln -sfn {certs} {METRICS_CERTS}"
-             f' && exec "$0" "$@"')
-    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", setup, str(binary()),
-            f"--kubeconfig={kubeconfig}", f"--config={config}", "--feature-gates=VisibilityOnDemand=false",
-            "--zap-log-level=" + os.environ.get("TFPS_KUEUE_LOG_LEVEL", "2")]
+    setup = (
+        f"mount -t overlay overlay -o lowerdir=/etc,upperdir={upper},workdir={scratch} /etc"
+        f" && mkdir -p {Path(METRICS_CERTS).parent} && ln -sfn {certs} {METRICS_CERTS}"
+        f' && exec "$0" "$@"'
+    )
+    return [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        setup,
+        str(binary()),
+        f"--kubeconfig={kubeconfig}",
+        f"--config={config}",
+        "--feature-gates=VisibilityOnDemand=false",
+        "--zap-log-level=" + os.environ.get("TFPS_KUEUE_LOG_LEVEL", "2"),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,22 +289,55 @@ def strip_finalizers(kubeconfig: Path) -> int:
         if POD_FINALIZER in (meta.get("finalizers") or []):
             keep = [f for f in meta["finalizers"] if f != POD_FINALIZER]
             patch = {"metadata": {"finalizers": keep, "resourceVersion": meta["resourceVersion"]}}
-            changed += kubectl(kubeconfig, "patch", "pod", "-n", meta["namespace"], meta["name"], "--type=merge",
-                               "-p", json.dumps(patch), check=False).returncode == 0
+            changed += (
+                kubectl(
+                    kubeconfig,
+                    "patch",
+                    "pod",
+                    "-n",
+                    meta["namespace"],
+                    meta["name"],
+                    "--type=merge",
+                    "-p",
+                    json.dumps(patch),
+                    check=False,
+                ).returncode
+                == 0
+            )
     for crd in _items(kubeconfig, "crd", "-l", f"{OWNER_LABEL[0]}={OWNER_LABEL[1]}"):
         resource = crd["metadata"]["name"]
         for obj in _items(kubeconfig, resource, "--all-namespaces"):
             meta = obj["metadata"]
             if meta.get("finalizers"):
                 where = ["-n", meta["namespace"]] if meta.get("namespace") else []
-                changed += kubectl(kubeconfig, "patch", resource, *where, meta["name"], "--type=merge",
-                                   "-p", '{"metadata":{"finalizers":null}}', check=False).returncode == 0
+                changed += (
+                    kubectl(
+                        kubeconfig,
+                        "patch",
+                        resource,
+                        *where,
+                        meta["name"],
+                        "--type=merge",
+                        "-p",
+                        '{"metadata":{"finalizers":null}}',
+                        check=False,
+                    ).returncode
+                    == 0
+                )
     return changed
 
 
 def remove_crds(kubeconfig: Path) -> None:
-    kubectl(kubeconfig, "delete", "crd", "-l", f"{OWNER_LABEL[0]}={OWNER_LABEL[1]}", "--ignore-not-found",
-            "--timeout=60s", check=False)
+    kubectl(
+        kubeconfig,
+        "delete",
+        "crd",
+        "-l",
+        f"{OWNER_LABEL[0]}={OWNER_LABEL[1]}",
+        "--ignore-not-found",
+        "--timeout=60s",
+        check=False,
+    )
 
 
 def down(kubeconfig: Path) -> None:
@@ -251,8 +369,15 @@ def _ready(port: int) -> bool:
 
 def _webhooks_answer(kubeconfig: Path) -> bool:
     """A server-side dry run of a ResourceFlavor goes through Kueue's mutating and validating webhooks."""
-    flavor = {"apiVersion": f"{KUEUE_GROUP}/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": "tfps-kueue-probe"}}
-    return kubectl(kubeconfig, "create", "--dry-run=server", "-f", "-", stdin=json.dumps(flavor), check=False).returncode == 0
+    flavor = {
+        "apiVersion": f"{KUEUE_GROUP}/v1beta2",
+        "kind": "ResourceFlavor",
+        "metadata": {"name": "tfps-kueue-probe"},
+    }
+    return (
+        kubectl(kubeconfig, "create", "--dry-run=server", "-f", "-", stdin=json.dumps(flavor), check=False).returncode
+        == 0
+    )
 
 
 @dataclass
@@ -299,8 +424,13 @@ def running(kubeconfig: str | Path, log_path: str | Path, timeout: float = 120) 
     try:
         install_crds(kubeconfig, module)
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(argv(kubeconfig, config, work, certs), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=_die_with_parent)
+            proc = subprocess.Popen(
+                argv(kubeconfig, config, work, certs),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         handle = Kueue(proc, kubeconfig, log_path, metrics_port=ports[1], health_port=ports[2])
         try:
             _apply(kubeconfig, webhooks(module, ports[0], ca))

@@ -14,6 +14,7 @@ to a fake pod (the operator reading a PS pod's metrics) fails at once on this ma
 Usage (standard library only; the cluster must be up):
     hack/kwok.py up [--nodes N] [--gpus G] [--cpu C] [--memory M]   # runs until interrupted
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cluster  # noqa: E402  (hack/cluster.py, beside this file)
@@ -40,8 +41,12 @@ TAINT = {"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}
 # On a pod: how long after it runs kwok ends it Succeeded, as a Go duration ("30s", "1m").
 SUCCEED_AFTER = "tfps.io/kwok-succeed-after"
 # kwok's own stages, from its module (hack/build-cluster.sh copies them beside the binary).
-STAGES = ("node/fast/node-initialize.yaml", "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
-          "pod/fast/pod-ready.yaml", "pod/fast/pod-delete.yaml")
+STAGES = (
+    "node/fast/node-initialize.yaml",
+    "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "pod/fast/pod-ready.yaml",
+    "pod/fast/pod-delete.yaml",
+)
 
 # Ours: a Running pod with the annotation ends Succeeded after its delay.
 SUCCEED_STAGE = {
@@ -50,29 +55,36 @@ SUCCEED_STAGE = {
     "metadata": {"name": "tfps-pod-succeed-after"},
     "spec": {
         "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
-        "selector": {"matchExpressions": [
-            {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
-            {"key": ".status.phase", "operator": "In", "values": ["Running"]},
-            {"key": f'.metadata.annotations["{SUCCEED_AFTER}"]', "operator": "Exists"},
-        ]},
-        "delay": {"durationMilliseconds": 0,
-                  "durationFrom": {"expressionFrom": f'.metadata.annotations["{SUCCEED_AFTER}"]'}},
-        "next": {"statusTemplate": (
-            "{{ $now := Now }}\n"
-            "containerStatuses:\n"
-            "{{ range .spec.containers }}\n"
-            "- name: {{ .name | Quote }}\n"
-            "  image: {{ .image | Quote }}\n"
-            "  ready: false\n"
-            "  restartCount: 0\n"
-            "  state:\n"
-            "    terminated:\n"
-            "      exitCode: 0\n"
-            "      reason: Completed\n"
-            "      startedAt: {{ $now | Quote }}\n"
-            "      finishedAt: {{ $now | Quote }}\n"
-            "{{ end }}\n"
-            "phase: Succeeded\n")},
+        "selector": {
+            "matchExpressions": [
+                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+                {"key": ".status.phase", "operator": "In", "values": ["Running"]},
+                {"key": f'.metadata.annotations["{SUCCEED_AFTER}"]', "operator": "Exists"},
+            ]
+        },
+        "delay": {
+            "durationMilliseconds": 0,
+            "durationFrom": {"expressionFrom": f'.metadata.annotations["{SUCCEED_AFTER}"]'},
+        },
+        "next": {
+            "statusTemplate": (
+                "{{ $now := Now }}\n"
+                "containerStatuses:\n"
+                "{{ range .spec.containers }}\n"
+                "- name: {{ .name | Quote }}\n"
+                "  image: {{ .image | Quote }}\n"
+                "  ready: false\n"
+                "  restartCount: 0\n"
+                "  state:\n"
+                "    terminated:\n"
+                "      exitCode: 0\n"
+                "      reason: Completed\n"
+                "      startedAt: {{ $now | Quote }}\n"
+                "      finishedAt: {{ $now | Quote }}\n"
+                "{{ end }}\n"
+                "phase: Succeeded\n"
+            )
+        },
     },
 }
 
@@ -83,20 +95,34 @@ def kwok_dir() -> Path:
 
 def placement(label: tuple[str, str] = NODE_LABEL) -> dict:
     """The pod-spec fields that put a pod on kwok's nodes with `label` only (never on the real node)."""
-    return {"nodeSelector": {label[0]: label[1]},
-            "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": TAINT["effect"]}]}
+    return {
+        "nodeSelector": {label[0]: label[1]},
+        "tolerations": [{"key": TAINT["key"], "operator": "Exists", "effect": TAINT["effect"]}],
+    }
 
 
-def node_manifest(name: str, cpu: str = "64", memory: str = "256Gi", gpus: int = 0, pods: int = 250,
-                  label: tuple[str, str] = NODE_LABEL) -> dict:
+def node_manifest(
+    name: str,
+    cpu: str = "64",
+    memory: str = "256Gi",
+    gpus: int = 0,
+    pods: int = 250,
+    label: tuple[str, str] = NODE_LABEL,
+) -> dict:
     capacity = {"cpu": cpu, "memory": memory, "pods": str(pods)}
     if gpus:
         capacity["nvidia.com/gpu"] = str(gpus)
-    return {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": name, "labels": {label[0]: label[1], "kubernetes.io/hostname": name},
-                         "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"}},
-            "spec": {"taints": [TAINT]},
-            "status": {"capacity": capacity, "allocatable": capacity}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {label[0]: label[1], "kubernetes.io/hostname": name},
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0", "kwok.x-k8s.io/node": "fake"},
+        },
+        "spec": {"taints": [TAINT]},
+        "status": {"capacity": capacity, "allocatable": capacity},
+    }
 
 
 def write_config(path: Path) -> Path:
@@ -108,14 +134,24 @@ def write_config(path: Path) -> Path:
 
 def argv(kubeconfig: Path, config: Path, label: tuple[str, str] = NODE_LABEL) -> list[str]:
     """One kwok per label: several may run side by side, each playing only its own nodes."""
-    return [str(cluster.binary("kwok")), f"--kubeconfig={kubeconfig}", f"--config={config}",
-            f"--manage-nodes-with-label-selector={label[0]}={label[1]}",
-            f"--cidr={POD_CIDR}", f"--node-ip={NODE_IP}", "--node-lease-duration-seconds=40"]
+    return [
+        str(cluster.binary("kwok")),
+        f"--kubeconfig={kubeconfig}",
+        f"--config={config}",
+        f"--manage-nodes-with-label-selector={label[0]}={label[1]}",
+        f"--cidr={POD_CIDR}",
+        f"--node-ip={NODE_IP}",
+        "--node-lease-duration-seconds=40",
+    ]
 
 
 def _route(action: str) -> None:
-    subprocess.run(["ip", "route", action, "blackhole", BLACKHOLE], check=False,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        ["ip", "route", action, "blackhole", BLACKHOLE],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _kwok_running() -> bool:
@@ -171,14 +207,22 @@ def nodes_ready(p: cluster.Paths, names: list[str], label: tuple[str, str] = NOD
     code, body = _api(p, f"/api/v1/nodes?labelSelector={label[0]}%3D{label[1]}")
     if code != 200:
         return False
-    ready = {n["metadata"]["name"] for n in json.loads(body)["items"]
-             if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))}
+    ready = {
+        n["metadata"]["name"]
+        for n in json.loads(body)["items"]
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+    }
     return set(names) <= ready
 
 
 @contextlib.contextmanager
-def running(kubeconfig: str | Path, nodes: list[dict], log_path: str | Path, timeout: float = 60,
-            label: tuple[str, str] = NODE_LABEL) -> Iterator[subprocess.Popen]:
+def running(
+    kubeconfig: str | Path,
+    nodes: list[dict],
+    log_path: str | Path,
+    timeout: float = 60,
+    label: tuple[str, str] = NODE_LABEL,
+) -> Iterator[subprocess.Popen]:
     """kwok for the nodes with `label`, and `nodes` (made with that label), Ready; on exit those
     nodes are deleted (their pods with them) and kwok stops."""
     kubeconfig = Path(kubeconfig)
@@ -187,7 +231,9 @@ def running(kubeconfig: str | Path, nodes: list[dict], log_path: str | Path, tim
     config = write_config(log_path.with_suffix(".stages.yaml"))
     _route("replace")
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(argv(kubeconfig, config, label), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv(kubeconfig, config, label), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     names = [n["metadata"]["name"] for n in nodes]
     try:
         create_nodes(p, nodes)

@@ -13,8 +13,10 @@ A guard drops any packet from the pod range to another address, and IP forwardin
 
 Standard library only (hack/cluster.py runs before the project's virtual environment exists).
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -48,9 +50,15 @@ GUARD = "TFPS-GUARD"
 GUARD_FWD = "TFPS-GUARD-FWD"
 GUARD_OUT = "TFPS-GUARD-OUT"
 # What the kubelet, kube-proxy and our own set-up change; recorded at start, restored at teardown.
-SYSCTLS = ("kernel/panic", "kernel/panic_on_oops", "vm/overcommit_memory", "net/ipv4/ip_forward",
-           "net/ipv4/conf/all/route_localnet", "net/bridge/bridge-nf-call-iptables",
-           "net/bridge/bridge-nf-call-ip6tables")
+SYSCTLS = (
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "vm/overcommit_memory",
+    "net/ipv4/ip_forward",
+    "net/ipv4/conf/all/route_localnet",
+    "net/bridge/bridge-nf-call-iptables",
+    "net/bridge/bridge-nf-call-ip6tables",
+)
 # Chains of the node's parts: ours, the kubelet's and kube-proxy's (KUBE-*), kube-router's.
 OWN_CHAIN = re.compile(r"^(TFPS-|KUBE-)")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -75,8 +83,8 @@ def sh(*argv: str, check: bool = True, input: str | None = None) -> subprocess.C
 
 def containerd_config(sandbox_image: str) -> str:
     return f"""version = 2
-root = "{NODE_ROOT / 'containerd'}"
-state = "{NODE_RUN / 'containerd' / 'state'}"
+root = "{NODE_ROOT / "containerd"}"
+state = "{NODE_RUN / "containerd" / "state"}"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
                     "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs",
                     "io.containerd.internal.v1.opt", "io.containerd.tracing.processor.v1.otlp"]
@@ -111,7 +119,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         SystemdCgroup = false
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = "/usr/lib/cni"
-    conf_dir = "{NODE_RUN / 'cni'}"
+    conf_dir = "{NODE_RUN / "cni"}"
     max_conf_num = 1
   [plugins."io.containerd.grpc.v1.cri".registry]
     config_path = ""
@@ -121,36 +129,69 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 def cni_config() -> dict:
     """A bridge with no gateway role (so nothing turns on forwarding) and no masquerade; pods get
     one route, to the node's addresses through the bridge address, and no default route."""
-    return {"cniVersion": "1.0.0", "name": "tfps", "plugins": [{
-        "type": "bridge", "bridge": BRIDGE, "isGateway": False, "isDefaultGateway": False, "ipMasq": False,
-        "hairpinMode": True, "promiscMode": False,
-        "ipam": {"type": "host-local", "dataDir": str(NODE_ROOT / "ipam"),
-                 "ranges": [[{"subnet": POD_CIDR, "rangeStart": "198.18.0.10", "gateway": BRIDGE_IP}]],
-                 "routes": [{"dst": NODE_NET, "gw": BRIDGE_IP}]}}]}
+    return {
+        "cniVersion": "1.0.0",
+        "name": "tfps",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": BRIDGE,
+                "isGateway": False,
+                "isDefaultGateway": False,
+                "ipMasq": False,
+                "hairpinMode": True,
+                "promiscMode": False,
+                "ipam": {
+                    "type": "host-local",
+                    "dataDir": str(NODE_ROOT / "ipam"),
+                    "ranges": [[{"subnet": POD_CIDR, "rangeStart": "198.18.0.10", "gateway": BRIDGE_IP}]],
+                    "routes": [{"dst": NODE_NET, "gw": BRIDGE_IP}],
+                },
+            }
+        ],
+    }
 
 
 def kubelet_config(pki: Path, resolv_conf: Path) -> dict:
     return {
-        "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
         "failCgroupV1": False,  # this machine has cgroup v1 only
         "cgroupDriver": "cgroupfs",
         "containerRuntimeEndpoint": f"unix://{CONTAINERD_SOCK}",
-        "address": NODE_IP, "port": KUBELET_PORT, "readOnlyPort": 0,
-        "healthzBindAddress": "127.0.0.1", "healthzPort": 10248,
-        "tlsCertFile": str(pki / "kubelet.crt"), "tlsPrivateKeyFile": str(pki / "kubelet.key"),
-        "authentication": {"anonymous": {"enabled": False}, "webhook": {"enabled": True},
-                           "x509": {"clientCAFile": str(pki / "ca.crt")}},
+        "address": NODE_IP,
+        "port": KUBELET_PORT,
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": 10248,
+        "tlsCertFile": str(pki / "kubelet.crt"),
+        "tlsPrivateKeyFile": str(pki / "kubelet.key"),
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(pki / "ca.crt")},
+        },
         "authorization": {"mode": "Webhook"},
-        "clusterDNS": [DNS_IP], "clusterDomain": CLUSTER_DOMAIN, "resolvConf": str(resolv_conf),
+        "clusterDNS": [DNS_IP],
+        "clusterDomain": CLUSTER_DOMAIN,
+        "resolvConf": str(resolv_conf),
         "podLogsDirectory": str(NODE_ROOT / "pod-logs"),
         "failSwapOn": False,
         # Small disks: never evict or collect images because a disk is fuller than a default threshold.
-        "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-        "evictionHard": {"memory.available": "0%", "nodefs.available": "0%", "nodefs.inodesFree": "0%",
-                         "imagefs.available": "0%"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "evictionHard": {
+            "memory.available": "0%",
+            "nodefs.available": "0%",
+            "nodefs.inodesFree": "0%",
+            "imagefs.available": "0%",
+        },
         "serializeImagePulls": False,
-        "registerNode": True, "rotateCertificates": False, "serverTLSBootstrap": False,
-        "nodeStatusUpdateFrequency": "4s", "nodeStatusReportFrequency": "1m",
+        "registerNode": True,
+        "rotateCertificates": False,
+        "serverTLSBootstrap": False,
+        "nodeStatusUpdateFrequency": "4s",
+        "nodeStatusReportFrequency": "1m",
         "syncFrequency": "10s",
         "shutdownGracePeriod": "0s",
         "maxPods": 110,
@@ -159,10 +200,15 @@ def kubelet_config(pki: Path, resolv_conf: Path) -> dict:
 
 def kube_proxy_config(kubeconfig: Path) -> dict:
     return {
-        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
         "clientConnection": {"kubeconfig": str(kubeconfig)},
-        "hostnameOverride": NODE_NAME, "mode": "iptables", "clusterCIDR": POD_CIDR,
-        "bindAddress": NODE_IP, "healthzBindAddress": "127.0.0.1:10256", "metricsBindAddress": "127.0.0.1:10249",
+        "hostnameOverride": NODE_NAME,
+        "mode": "iptables",
+        "clusterCIDR": POD_CIDR,
+        "bindAddress": NODE_IP,
+        "healthzBindAddress": "127.0.0.1:10256",
+        "metricsBindAddress": "127.0.0.1:10249",
         "nodePortAddresses": [f"{NODE_IP}/32"],
         # Leave the machine's conntrack table size alone.
         "conntrack": {"maxPerCore": 0, "min": 0},
@@ -187,9 +233,18 @@ def corefile(kubeconfig: Path, health_port: int, ready_port: int) -> str:
 
 def kube_router_argv(binary: str, kubeconfig: Path) -> list[str]:
     """NetworkPolicy only: no routing, no service proxy (kube-proxy does that)."""
-    return [binary, "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
-            f"--hostname-override={NODE_NAME}", f"--kubeconfig={kubeconfig}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}", "--health-port=0", "--metrics-port=0", "--v=1"]
+    return [
+        binary,
+        "--run-firewall=true",
+        "--run-router=false",
+        "--run-service-proxy=false",
+        f"--hostname-override={NODE_NAME}",
+        f"--kubeconfig={kubeconfig}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}",
+        "--health-port=0",
+        "--metrics-port=0",
+        "--v=1",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,10 +264,16 @@ def guard_rules() -> list[tuple[str, str, list[str]]]:
     pre.append(["-s", POD_CIDR, "-j", "DROP"])
     pre.append(["-i", BRIDGE, "!", "-s", POD_CIDR, "-j", "DROP"])
     fwd = [["-i", BRIDGE, "-o", BRIDGE, "-j", "RETURN"], ["-i", BRIDGE, "-j", "DROP"], ["-o", BRIDGE, "-j", "DROP"]]
-    out = [["-s", CLUSTER_NET, "-d", CLUSTER_NET, "-j", "RETURN"], ["-s", CLUSTER_NET, "-d", "127.0.0.0/8", "-j", "RETURN"],
-           ["-s", CLUSTER_NET, "-j", "DROP"]]
-    return ([("raw", GUARD, r) for r in pre] + [("filter", GUARD_FWD, r) for r in fwd]
-            + [("filter", GUARD_OUT, r) for r in out])
+    out = [
+        ["-s", CLUSTER_NET, "-d", CLUSTER_NET, "-j", "RETURN"],
+        ["-s", CLUSTER_NET, "-d", "127.0.0.0/8", "-j", "RETURN"],
+        ["-s", CLUSTER_NET, "-j", "DROP"],
+    ]
+    return (
+        [("raw", GUARD, r) for r in pre]
+        + [("filter", GUARD_FWD, r) for r in fwd]
+        + [("filter", GUARD_OUT, r) for r in out]
+    )
 
 
 def install_guard() -> None:
@@ -255,8 +316,9 @@ def without_node_chains(dump: str) -> str | None:
     kept, changed = [], False
     for line in dump.splitlines():
         declares = line.startswith(":") and OWN_CHAIN.match(line[1:])
-        in_or_to = line.startswith("-A ") and (OWN_CHAIN.match(line.split()[1])
-                                               or re.search(r" -[jg] (TFPS-|KUBE-)", line))
+        in_or_to = line.startswith("-A ") and (
+            OWN_CHAIN.match(line.split()[1]) or re.search(r" -[jg] (TFPS-|KUBE-)", line)
+        )
         if declares or in_or_to:
             changed = True
         else:
@@ -321,10 +383,8 @@ def restore_host_state() -> None:
 def _pids_in_cgroups() -> set[int]:
     pids = set()
     for procs in CGROUP_ROOT.glob("*/kubepods/**/cgroup.procs"):
-        try:
+        with contextlib.suppress(OSError, ValueError):
             pids.update(int(p) for p in procs.read_text().split())
-        except (OSError, ValueError):
-            pass
     return pids
 
 
@@ -347,10 +407,8 @@ def _shim_pids() -> set[int]:
 def kill_containers() -> None:
     """Every container process (they live in the kubepods cgroups) and every shim of ours."""
     for pid in _pids_in_cgroups() | _shim_pids():
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
     deadline = time.monotonic() + 10
     while (_pids_in_cgroups() or _shim_pids()) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -368,10 +426,8 @@ def unmount_under(*roots: Path) -> None:
 def remove_cgroups() -> None:
     for top in CGROUP_ROOT.glob("*/kubepods"):
         for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-            try:
+            with contextlib.suppress(OSError):
                 d.rmdir()
-            except OSError:
-                pass
         try:
             top.rmdir()
         except OSError as err:
@@ -393,8 +449,13 @@ def teardown(purge_images: bool = False) -> None:
     unmount_under(NODE_ROOT, NODE_RUN)
     remove_cgroups()
     remove_network()
-    for path in (NODE_ROOT / "ipam", NODE_ROOT / "kubelet", NODE_ROOT / "pod-logs",
-                 Path("/var/lib/kubelet/device-plugins"), Path("/var/lib/cni")):
+    for path in (
+        NODE_ROOT / "ipam",
+        NODE_ROOT / "kubelet",
+        NODE_ROOT / "pod-logs",
+        Path("/var/lib/kubelet/device-plugins"),
+        Path("/var/lib/cni"),
+    ):
         sh("rm", "-rf", "--one-file-system", str(path), check=False)
     for link in Path("/var/log/containers").glob("*.log") if Path("/var/log/containers").exists() else []:
         link.unlink(missing_ok=True)
@@ -409,8 +470,13 @@ def prepare() -> None:
     """Clean what an earlier start left (a crash, or another checkout's cluster), then set up."""
     teardown()
     record_host_state()
-    for d in (NODE_ROOT / "containerd", NODE_ROOT / "ipam", NODE_ROOT / "pod-logs", NODE_RUN / "containerd",
-              NODE_RUN / "cni"):
+    for d in (
+        NODE_ROOT / "containerd",
+        NODE_ROOT / "ipam",
+        NODE_ROOT / "pod-logs",
+        NODE_RUN / "containerd",
+        NODE_RUN / "cni",
+    ):
         d.mkdir(parents=True, exist_ok=True)
     (NODE_RUN / "cni" / "10-tfps.conflist").write_text(json.dumps(cni_config(), indent=1))
     setup_network()

@@ -14,9 +14,11 @@ Prometheus that has it can be given `kubernetes_sd` instead.
 
 Prometheus listens on 127.0.0.1 only and keeps its data in the given folder.
 """
+
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -24,7 +26,6 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,8 +63,14 @@ class PodTarget:
         return meta
 
 
-_RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label", "replacement": "replacement",
-                 "regex": "regex", "separator": "separator", "modulus": "modulus"}
+_RELABEL_KEYS = {
+    "sourceLabels": "source_labels",
+    "targetLabel": "target_label",
+    "replacement": "replacement",
+    "regex": "regex",
+    "separator": "separator",
+    "modulus": "modulus",
+}
 
 
 def _relabel(rule: dict) -> dict:
@@ -76,38 +83,65 @@ def _relabel(rule: dict) -> dict:
 def _selector_relabels(selector: dict) -> list[dict]:
     rules = []
     for key, value in (selector.get("matchLabels") or {}).items():
-        rules.append({"action": "keep", "source_labels": [f"__meta_kubernetes_pod_label_{sanitize(key)}",
-                                                          f"__meta_kubernetes_pod_labelpresent_{sanitize(key)}"],
-                      "regex": f"({re.escape(value)});true"})
+        rules.append(
+            {
+                "action": "keep",
+                "source_labels": [
+                    f"__meta_kubernetes_pod_label_{sanitize(key)}",
+                    f"__meta_kubernetes_pod_labelpresent_{sanitize(key)}",
+                ],
+                "regex": f"({re.escape(value)});true",
+            }
+        )
     for expr in selector.get("matchExpressions") or []:
         key, op = sanitize(expr["key"]), expr["operator"]
         values = "|".join(re.escape(v) for v in expr.get("values", []))
         if op == "Exists":
-            rules.append({"action": "keep", "source_labels": [f"__meta_kubernetes_pod_labelpresent_{key}"], "regex": "true"})
+            rules.append(
+                {"action": "keep", "source_labels": [f"__meta_kubernetes_pod_labelpresent_{key}"], "regex": "true"}
+            )
         elif op == "DoesNotExist":
-            rules.append({"action": "drop", "source_labels": [f"__meta_kubernetes_pod_labelpresent_{key}"], "regex": "true"})
+            rules.append(
+                {"action": "drop", "source_labels": [f"__meta_kubernetes_pod_labelpresent_{key}"], "regex": "true"}
+            )
         elif op == "In":
-            rules.append({"action": "keep", "source_labels": [f"__meta_kubernetes_pod_label_{key}"], "regex": f"({values})"})
+            rules.append(
+                {"action": "keep", "source_labels": [f"__meta_kubernetes_pod_label_{key}"], "regex": f"({values})"}
+            )
         elif op == "NotIn":
-            rules.append({"action": "drop", "source_labels": [f"__meta_kubernetes_pod_label_{key}"], "regex": f"({values})"})
+            rules.append(
+                {"action": "drop", "source_labels": [f"__meta_kubernetes_pod_label_{key}"], "regex": f"({values})"}
+            )
         else:
             raise ValueError(f"unsupported selector operator {op}")
     return rules
 
 
-def podmonitor_scrape_config(podmonitor: dict, *, static_targets: list[PodTarget] | None = None,
-                             kubernetes_sd: dict | None = None, interval: str | None = None,
-                             endpoint_index: int = 0) -> dict:
+def podmonitor_scrape_config(
+    podmonitor: dict,
+    *,
+    static_targets: list[PodTarget] | None = None,
+    kubernetes_sd: dict | None = None,
+    interval: str | None = None,
+    endpoint_index: int = 0,
+) -> dict:
     """The scrape config prometheus-operator would generate for one PodMonitor endpoint.
 
     `interval` overrides the endpoint's (tests scrape every second)."""
     meta, spec = podmonitor["metadata"], podmonitor["spec"]
     endpoint = spec["podMetricsEndpoints"][endpoint_index]
-    relabels: list[dict] = [{"action": "replace", "source_labels": ["job"], "target_label": "__tmp_prometheus_job_name"}]
+    relabels: list[dict] = [
+        {"action": "replace", "source_labels": ["job"], "target_label": "__tmp_prometheus_job_name"}
+    ]
     relabels += _selector_relabels(spec.get("selector") or {})
     if "port" in endpoint:
-        relabels.append({"action": "keep", "source_labels": ["__meta_kubernetes_pod_container_port_name"],
-                         "regex": re.escape(endpoint["port"])})
+        relabels.append(
+            {
+                "action": "keep",
+                "source_labels": ["__meta_kubernetes_pod_container_port_name"],
+                "regex": re.escape(endpoint["port"]),
+            }
+        )
     relabels += [
         {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
         {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
@@ -115,8 +149,14 @@ def podmonitor_scrape_config(podmonitor: dict, *, static_targets: list[PodTarget
         {"target_label": "job", "replacement": f"{meta.get('namespace', 'default')}/{meta['name']}"},
     ]
     if spec.get("jobLabel"):
-        relabels.append({"source_labels": [f"__meta_kubernetes_pod_label_{sanitize(spec['jobLabel'])}"],
-                         "target_label": "job", "regex": "(.+)", "replacement": "${1}"})
+        relabels.append(
+            {
+                "source_labels": [f"__meta_kubernetes_pod_label_{sanitize(spec['jobLabel'])}"],
+                "target_label": "job",
+                "regex": "(.+)",
+                "replacement": "${1}",
+            }
+        )
     if "port" in endpoint:
         relabels.append({"target_label": "endpoint", "replacement": endpoint["port"]})
     relabels += [_relabel(r) for r in endpoint.get("relabelings") or []]
@@ -140,8 +180,9 @@ def podmonitor_scrape_config(podmonitor: dict, *, static_targets: list[PodTarget
     return config
 
 
-def prometheus_config(scrape_configs: list[dict], rule_files: list[str] | None = None,
-                      evaluation_interval: str = "1s") -> dict:
+def prometheus_config(
+    scrape_configs: list[dict], rule_files: list[str] | None = None, evaluation_interval: str = "1s"
+) -> dict:
     return {
         "global": {"scrape_interval": "15s", "evaluation_interval": evaluation_interval},
         "rule_files": list(rule_files or []),
@@ -161,9 +202,14 @@ def start(config: Path, storage: Path, port: int, log: Path) -> subprocess.Popen
     binary = shutil.which("prometheus")
     if binary is None:
         raise FileNotFoundError("prometheus is not installed (hack/install-system-deps.sh installs it)")
-    argv = [binary, f"--config.file={config}", f"--storage.tsdb.path={storage}",
-            f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1d",
-            "--log.level=warn"]
+    argv = [
+        binary,
+        f"--config.file={config}",
+        f"--storage.tsdb.path={storage}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--storage.tsdb.retention.time=1d",
+        "--log.level=warn",
+    ]
     with open(log, "ab") as fh:
         return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -217,7 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     cfg = sub.add_parser("config", help="print a Prometheus config for a PodMonitor")
     cfg.add_argument("--podmonitor", required=True, type=Path, help="a PodMonitor manifest (e.g. from helm template)")
-    cfg.add_argument("--target", action="append", type=_parse_target, default=[], help="NS/POD=IP:PORT[,label=value...]")
+    cfg.add_argument(
+        "--target", action="append", type=_parse_target, default=[], help="NS/POD=IP:PORT[,label=value...]"
+    )
     cfg.add_argument("--interval", help="scrape interval (default: the PodMonitor's)")
     cfg.add_argument("--rules", action="append", default=[], help="rule files to load")
     run = sub.add_parser("run", help="run Prometheus on 127.0.0.1")

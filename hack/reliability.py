@@ -15,6 +15,7 @@ Where the figures come from:
 
 Standard library only.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,16 +27,11 @@ REPO = Path(__file__).resolve().parent.parent
 PROPERTY = "reliability"
 # test function (path::name) -> the kind of invalid input its parametrised cases try
 INVALID_INPUT_TESTS = {
-    "tests/integration/test_operator_validation.py::test_invalid_manifest_is_rejected_naming_the_field":
-        "invalid TrainingJob (API server)",
-    "tests/integration/test_runtime_ps_input.py::test_malformed_push_is_refused_and_changes_nothing":
-        "malformed PS request",
-    "tests/integration/test_runtime_ps_input.py::test_oversize_message_is_refused":
-        "oversize PS message",
-    "tests/integration/test_runtime_ps_input.py::test_stream_over_the_size_limit_is_refused":
-        "oversize PS message",
-    "tests/integration/test_runtime_ps_input.py::test_flood_of_bad_pushes_is_refused_and_ps_stays_up":
-        "flood of bad PS pushes",
+    "tests/integration/test_operator_validation.py::test_invalid_manifest_is_rejected_naming_the_field": "invalid TrainingJob (API server)",
+    "tests/integration/test_runtime_ps_input.py::test_malformed_push_is_refused_and_changes_nothing": "malformed PS request",
+    "tests/integration/test_runtime_ps_input.py::test_oversize_message_is_refused": "oversize PS message",
+    "tests/integration/test_runtime_ps_input.py::test_stream_over_the_size_limit_is_refused": "oversize PS message",
+    "tests/integration/test_runtime_ps_input.py::test_flood_of_bad_pushes_is_refused_and_ps_stays_up": "flood of bad PS pushes",
 }
 
 
@@ -50,11 +46,19 @@ def collect(records: list[dict], nodeid: str, outcome: str, user_properties) -> 
             records.append({**value, "test": nodeid, "passed": outcome == "passed"})
     func = nodeid.split("[", 1)[0]
     if func in INVALID_INPUT_TESTS:
-        case = nodeid[len(func):].strip("[]")
+        case = nodeid[len(func) :].strip("[]")
         # the flood test tries many bad requests in one case: it records how many
         count = next((v.get("count", 1) for k, v in user_properties if k == PROPERTY and isinstance(v, dict)), 1)
-        records.append({"kind": "invalid_input", "category": INVALID_INPUT_TESTS[func], "case": case,
-                        "count": count, "test": nodeid, "passed": outcome == "passed"})
+        records.append(
+            {
+                "kind": "invalid_input",
+                "category": INVALID_INPUT_TESTS[func],
+                "case": case,
+                "count": count,
+                "test": nodeid,
+                "passed": outcome == "passed",
+            }
+        )
 
 
 def write(records: list[dict], path: Path | None = None) -> Path:
@@ -75,18 +79,26 @@ def summary(records: list[dict]) -> list[str]:
     lines = ["reliability report"]
     if faults:
         survived = [r for r in faults if r.get("passed") and r.get("phase") == "Succeeded"]
-        lines.append(f"  faults injected: {len(faults)}, survived (Succeeded, accuracy within 1 point, "
-                     f"no duplicate pod): {len(survived)}")
-        lines.append(f"    {'fault':34} {'phase':10} {'accuracy':>8} {'baseline':>8} {'redone':>6} {'lost':>5} {'dup':>4}")
+        lines.append(
+            f"  faults injected: {len(faults)}, survived (Succeeded, accuracy within 1 point, "
+            f"no duplicate pod): {len(survived)}"
+        )
+        lines.append(
+            f"    {'fault':34} {'phase':10} {'accuracy':>8} {'baseline':>8} {'redone':>6} {'lost':>5} {'dup':>4}"
+        )
         for r in faults:
             acc = f"{r['accuracy']:.4f}" if isinstance(r.get("accuracy"), (int, float)) else "-"
             base = f"{r['baseline']:.4f}" if isinstance(r.get("baseline"), (int, float)) else "-"
-            lines.append(f"    {r.get('fault', '?'):34} {str(r.get('phase')):10} {acc:>8} {base:>8} "
-                         f"{r.get('steps_redone', 0):>6} {r.get('steps_lost', 0):>5} {r.get('duplicates', 0):>4}"
-                         + ("" if r.get("passed") else "   FAILED"))
+            lines.append(
+                f"    {r.get('fault', '?'):34} {str(r.get('phase')):10} {acc:>8} {base:>8} "
+                f"{r.get('steps_redone', 0):>6} {r.get('steps_lost', 0):>5} {r.get('duplicates', 0):>4}"
+                + ("" if r.get("passed") else "   FAILED")
+            )
         interval = max((r.get("checkpoint_interval") or 0 for r in faults), default=0)
-        lines.append(f"    redone: steps a restored PS computed again (at most one checkpoint interval, {interval}); "
-                     "lost: checkpointed steps gone")
+        lines.append(
+            f"    redone: steps a restored PS computed again (at most one checkpoint interval, {interval}); "
+            "lost: checkpointed steps gone"
+        )
     if invalid:
         tried = sum(r.get("count", 1) for r in invalid)
         refused = sum(r.get("count", 1) for r in invalid if r.get("passed"))

@@ -12,6 +12,7 @@ then 10 s), and a component that exits more than START_LIMIT times within them i
 supervisor ends, so `hack/cluster.sh status`/`up` see it stopped. Lines about restarts go to stdout,
 the component's log. Standard library only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,15 @@ def exit_text(rc: int) -> str:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="supervise.py", usage="%(prog)s NAME [--first-delay SECONDS] -- ARGV...",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="supervise.py",
+        usage="%(prog)s NAME [--first-delay SECONDS] -- ARGV...",
+        description=__doc__.split("\n\n")[0],
+    )
     ap.add_argument("name")
     ap.add_argument("--first-delay", type=float, default=FIRST_DELAY, help="seconds before the first new start")
     split = argv.index("--") if "--" in argv else len(argv)
-    args, cmd = ap.parse_args(argv[:split]), argv[split + 1:]
+    args, cmd = ap.parse_args(argv[:split]), argv[split + 1 :]
     if not cmd:
         ap.error("no command given after --")
     stopping = False

@@ -7,6 +7,7 @@
 Each copy is its source byte for byte under a header naming where it comes from, so a stale
 copy is a plain text difference (tests/unit/test_chart.py runs --check).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -4,6 +4,7 @@ The user's pod template is the base; the operator fills what it leaves out (imag
 ports, resources, security context) and owns what must agree with TF_CONFIG and the
 Service (names, hostname/subdomain, labels, the runtime's environment variables).
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,6 @@ from tfps.api.spec import ReplicaType, TrainingJob
 from . import gang, security
 from .config import OperatorConfig
 from .meta import job_labels, object_meta
-
 
 
 def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
@@ -41,7 +41,11 @@ def build_service(job: TrainingJob, config: OperatorConfig) -> dict[str, Any]:
 
 def _runtime_env(job: TrainingJob, rtype: ReplicaType, index: int, config: OperatorConfig) -> list[dict]:
     cfg = tfconfig.tf_config(
-        job.name, job.namespace, job.spec, rtype, index,
+        job.name,
+        job.namespace,
+        job.spec,
+        rtype,
+        index,
         address=lambda t, i: f"{naming.dns_name(job.name, job.namespace, t, i)}:{config.ports.grpc}",
     )
     env = [
@@ -50,8 +54,12 @@ def _runtime_env(job: TrainingJob, rtype: ReplicaType, index: int, config: Opera
         {"name": naming.ENV_NAMESPACE, "value": job.namespace},
     ]
     if job.spec.training is not None:
-        env.append({"name": naming.ENV_TRAINING,
-                    "value": json.dumps(job.spec.training.to_manifest(), separators=(",", ":"), sort_keys=True)})
+        env.append(
+            {
+                "name": naming.ENV_TRAINING,
+                "value": json.dumps(job.spec.training.to_manifest(), separators=(",", ":"), sort_keys=True),
+            }
+        )
     # No bind address: a pod's servers listen on every address of its own network namespace, so
     # `kubectl port-forward` (which dials localhost inside the pod) and localhost probes reach them.
     env.append({"name": naming.ENV_METRICS_PORT, "value": str(config.ports.metrics)})
@@ -83,8 +91,10 @@ def _container(job: TrainingJob, rtype: ReplicaType, index: int, config: Operato
     if args is not None and "command" not in c:
         c.setdefault("args", args)
     c["env"] = _merge_named(_runtime_env(job, rtype, index, config), c.get("env") or [], "name", ours_win=True)
-    ports = [{"name": naming.GRPC_PORT_NAME, "containerPort": config.ports.grpc, "protocol": "TCP"},
-             {"name": naming.METRICS_PORT_NAME, "containerPort": config.ports.metrics, "protocol": "TCP"}]
+    ports = [
+        {"name": naming.GRPC_PORT_NAME, "containerPort": config.ports.grpc, "protocol": "TCP"},
+        {"name": naming.METRICS_PORT_NAME, "containerPort": config.ports.metrics, "protocol": "TCP"},
+    ]
     if rtype is ReplicaType.PS:
         ports.insert(1, {"name": naming.DATA_PORT_NAME, "containerPort": config.ports.data, "protocol": "TCP"})
     c["ports"] = _merge_named(ports, c.get("ports") or [], "name", ours_win=False)
@@ -108,9 +118,14 @@ def _quantities_as_strings(container: dict[str, Any]) -> dict[str, Any]:
     resources = container.get("resources")
     if not resources:
         return container
-    fixed = {kind: {k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                    for k, v in (resources.get(kind) or {}).items()}
-             for kind in ("limits", "requests") if kind in resources}
+    fixed = {
+        kind: {
+            k: str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+            for k, v in (resources.get(kind) or {}).items()
+        }
+        for kind in ("limits", "requests")
+        if kind in resources
+    }
     return {**container, "resources": {**resources, **fixed}}
 
 
@@ -135,9 +150,12 @@ def build_pod(job: TrainingJob, rtype: ReplicaType, index: int, config: Operator
     spec["restartPolicy"] = semantics.kubelet_restart_policy(rtype, replica.restart_policy)
     spec.setdefault("enableServiceLinks", False)
     spec.setdefault("securityContext", copy.deepcopy(config.pod_security_context))
-    if config.tmp_volume and any(m.get("name") == "tmp" and m.get("mountPath") == "/tmp"
-                                 for m in tf_container.get("volumeMounts", [])):
-        spec["volumes"] = _merge_named([{"name": "tmp", "emptyDir": {}}], spec.get("volumes") or [], "name", ours_win=False)
+    if config.tmp_volume and any(
+        m.get("name") == "tmp" and m.get("mountPath") == "/tmp" for m in tf_container.get("volumeMounts", [])
+    ):
+        spec["volumes"] = _merge_named(
+            [{"name": "tmp", "emptyDir": {}}], spec.get("volumes") or [], "name", ours_win=False
+        )
     if _gpu_requested(tf_container.get("resources") or {}):
         toleration = {"key": naming.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
         tolerations = spec.get("tolerations") or []

@@ -10,6 +10,7 @@ first, a job's creations before its own other calls, was measured too: in paired
 reported Running a little sooner but created the pods later.) When nothing is queued the
 order changes nothing.
 """
+
 from __future__ import annotations
 
 import heapq

@@ -4,10 +4,11 @@ Read from a YAML file (the Helm chart mounts its values there) named by `--confi
 $TFPS_OPERATOR_CONFIG; every field has a default, so no file is needed to start.
 Field names are camelCase, as in the chart's values.
 """
+
 from __future__ import annotations
 
 import os
-from enum import Enum
+from enum import Enum, StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from pydantic.alias_generators import to_camel
 
 from tfps.api.naming import DATA_PORT, ENV_OPERATOR_CONFIG, GRPC_PORT, METRICS_PORT
 from tfps.api.spec import ReplicaType
-
 
 
 class _Model(BaseModel):
@@ -50,13 +50,17 @@ def _default_resources() -> dict[str, dict[str, Any]]:
 
 def _default_pod_security() -> dict[str, Any]:
     # uid/gid 10001: the USER of images/ps and images/worker.
-    return {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 10001,
+        "runAsGroup": 10001,
+        "fsGroup": 10001,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def _default_container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
 class NetworkPolicySettings(_Model):
@@ -67,7 +71,7 @@ class NetworkPolicySettings(_Model):
     metrics_from: list[dict[str, Any]] = Field(default_factory=list)
 
 
-class GangBackend(str, Enum):
+class GangBackend(StrEnum):
     AUTO = "auto"  # Kubernetes' Workload API when the API server serves it, else none
     WORKLOAD = "workload"  # scheduling.k8s.io/v1alpha1 Workload + the kube-scheduler's GangScheduling plugin
     COSCHEDULING = "coscheduling"  # scheduler-plugins' PodGroup (scheduling.x-k8s.io/v1alpha1)
@@ -75,7 +79,7 @@ class GangBackend(str, Enum):
     NONE = "none"
 
 
-class Queueing(str, Enum):
+class Queueing(StrEnum):
     NONE = "none"
     KUEUE = "kueue"  # Kueue's plain pod groups (labels and an annotation on every pod)
 
@@ -115,7 +119,7 @@ class OperatorConfig(_Model):
     scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "OperatorConfig":
+    def load(cls, path: str | Path | None = None) -> OperatorConfig:
         path = path or os.environ.get(ENV_OPERATOR_CONFIG)
         if not path:
             return cls()

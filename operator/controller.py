@@ -2,14 +2,15 @@
 
 Blocking code, run in the operator's worker threads, one job at a time per job.
 """
+
 from __future__ import annotations
 
 import copy
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import UTC, datetime
 
 from tfps.api import naming
 from tfps.api.spec import ReplicaType, TrainingJob
@@ -91,8 +92,14 @@ class Controller:
         self._written.pop((namespace, name), None)
         self._counts.forget((namespace, name))
 
-    def reconcile(self, namespace: str, name: str, created: str | None = None, new_body: dict | None = None,
-                  live_body: dict | None = None) -> Outcome | None:
+    def reconcile(
+        self,
+        namespace: str,
+        name: str,
+        created: str | None = None,
+        new_body: dict | None = None,
+        live_body: dict | None = None,
+    ) -> Outcome | None:
         """One level-based pass; None when the job is gone or being deleted. `created`: the
         job's creationTimestamp, which orders its calls among other jobs'. `new_body`: a job
         never reconciled (no status), as the watch just brought it. `live_body`: the job as the
@@ -106,7 +113,7 @@ class Controller:
         if body is None or body["metadata"].get("deletionTimestamp"):
             self.forget(namespace, name)
             return None
-        result = plan(body, pods, datetime.now(timezone.utc))
+        result = plan(body, pods, datetime.now(UTC))
 
         if result.create:  # first: the time to all pods created is what users wait for
             created_all = self._create((CREATE, *age), body, result)
@@ -130,7 +137,9 @@ class Controller:
         self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         return Outcome(body=body, plan=result)
 
-    def _read(self, key: Key, job: tuple[str, str], new_body: dict | None, live_body: dict | None) -> tuple[dict | None, list[dict]]:
+    def _read(
+        self, key: Key, job: tuple[str, str], new_body: dict | None, live_body: dict | None
+    ) -> tuple[dict | None, list[dict]]:
         """The job and its pods for one pass (see reconcile)."""
         if new_body is not None:
             # No reads: a new job has no pods, unless an operator died while creating them; those
@@ -158,8 +167,15 @@ class Controller:
                 self.metrics.pods_restarted.inc()
                 self.metrics.pods_deleted.inc()
                 log.info("%s/%s: restarting pod %s", *job, pod_name)
-        deleted = [n for n, ok in zip(result.delete, self._calls.map(
-            key, lambda n: self.kube.delete_pod(namespace, n), result.delete), strict=True) if ok]
+        deleted = [
+            n
+            for n, ok in zip(
+                result.delete,
+                self._calls.map(key, lambda n: self.kube.delete_pod(namespace, n), result.delete),
+                strict=True,
+            )
+            if ok
+        ]
         for pod_name in deleted:
             self.pods.mark_deleting(job, pod_name)
         self.metrics.pods_deleted.inc(len(deleted))
@@ -191,8 +207,13 @@ class Controller:
     def _release_kueue_group(self, key: Key, namespace: str, pods: list[dict], body: dict, result: Plan) -> None:
         """Before pods go: the whole group marked unretriable once the job ends, and Kueue's
         finalizer off the pods deleted while running or to be recreated."""
-        patches = kueue.release_patches(pods, body["metadata"].get("uid", ""), ending=kueue.ending(result.status.get("phase")),
-                                        restart=result.restart, delete=result.delete)
+        patches = kueue.release_patches(
+            pods,
+            body["metadata"].get("uid", ""),
+            ending=kueue.ending(result.status.get("phase")),
+            restart=result.restart,
+            delete=result.delete,
+        )
         self._calls.map(key, lambda item: self.kube.patch_pod(namespace, *item), patches)
 
     def update_progress(self, namespace: str, name: str, previous: progress.Sample | None) -> progress.Sample | None:
@@ -203,19 +224,24 @@ class Controller:
             self._written[(namespace, name)] = self.kube.patch_job_status(namespace, name, {"progress": new})
         return sample
 
-    def read_progress(self, namespace: str, name: str, previous: progress.Sample | None) -> tuple[dict | None, progress.Sample | None]:
+    def read_progress(
+        self, namespace: str, name: str, previous: progress.Sample | None
+    ) -> tuple[dict | None, progress.Sample | None]:
         """status.progress from the PS pods' metrics, and the sample to compare with next time."""
         pods = self.pods.pods((namespace, name))
         if pods is None:  # only the PS pods: less to read and decode
             pods = self.kube.list_pods(namespace, name, ReplicaType.PS)
         pods = [p for p in pods if p["metadata"]["labels"].get(naming.LABEL_TYPE) == ReplicaType.PS.task_type]
-        ips = [p["status"]["podIP"] for p in pods
-               if (p.get("status") or {}).get("podIP") and p["status"].get("phase") == "Running"]
+        ips = [
+            p["status"]["podIP"]
+            for p in pods
+            if (p.get("status") or {}).get("podIP") and p["status"].get("phase") == "Running"
+        ]
         pages = [page for page in (progress.scrape(ip, self.config.ports.metrics) for ip in ips) if page]
         sample = progress.combine(pages, time.monotonic())
         if sample is None:
             return None, previous
-        return progress.to_status(sample, previous, timestamp(datetime.now(timezone.utc))), sample
+        return progress.to_status(sample, previous, timestamp(datetime.now(UTC))), sample
 
     def delete_children(self, namespace: str, name: str, uid: str, created: str | None = None) -> None:
         self.forget(namespace, name)

@@ -13,6 +13,7 @@ is scheduled on its own. `minAvailable` defaults to the whole gang. A live scale
 the same group: the scheduler counts the members already bound towards the minimum, so the new
 ones are bound as they fit and nothing running is disturbed.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -60,8 +61,10 @@ def group_object(job: TrainingJob, backend: GangBackend) -> dict[str, Any] | Non
     meta = object_meta(job, job.name, job_labels(job))
     if backend is GangBackend.WORKLOAD:
         group, version, _ = WORKLOAD_API
-        spec = {"controllerRef": {"apiGroup": job.api_version.split("/")[0], "kind": job.kind, "name": job.name},
-                "podGroups": [{"name": WORKLOAD_POD_GROUP, "policy": {"gang": {"minCount": min_available(job)}}}]}
+        spec = {
+            "controllerRef": {"apiGroup": job.api_version.split("/")[0], "kind": job.kind, "name": job.name},
+            "podGroups": [{"name": WORKLOAD_POD_GROUP, "policy": {"gang": {"minCount": min_available(job)}}}],
+        }
         return {"apiVersion": f"{group}/{version}", "kind": "Workload", "metadata": meta, "spec": spec}
     if backend is GangBackend.COSCHEDULING:
         group, version, _ = COSCHEDULING_API
@@ -80,7 +83,9 @@ def group_object(job: TrainingJob, backend: GangBackend) -> dict[str, Any] | Non
     return None
 
 
-def apply_to_pod(pod: dict[str, Any], job: TrainingJob, rtype: ReplicaType, settings: SchedulingSettings) -> dict[str, Any]:
+def apply_to_pod(
+    pod: dict[str, Any], job: TrainingJob, rtype: ReplicaType, settings: SchedulingSettings
+) -> dict[str, Any]:
     """The pod with its gang membership, scheduler and priority class filled in (in place)."""
     policy = job.spec.run_policy.scheduling_policy
     spec = pod["spec"]

@@ -7,6 +7,7 @@ flag of each job, ...) is one `Shared` object in kopf's memo (`kopf.run(memo=...
 operator/main.py). `register()` only binds them to a registry, so nothing happens at import
 time.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -97,6 +98,7 @@ def _post_events(body: dict, events: list[tuple[str, str, str]]) -> None:
 
 async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float) -> bool:
     """Until the job is woken (True), the daemon is stopped, or `delay` seconds pass."""
+
     async def until_stopped() -> None:
         await stopped.wait()
 
@@ -113,8 +115,13 @@ def _pod_state(pod: dict) -> tuple[str, bool, int, bool, bool]:
     """What of a pod can change a job's status: phase, deletion, restarts, unschedulable, gated."""
     status = pod.get("status") or {}
     restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
-    return (status.get("phase") or "Pending", bool(pod.get("metadata", {}).get("deletionTimestamp")), restarts,
-            unschedulable_reason(status) is not None, scheduling_gated(status))
+    return (
+        status.get("phase") or "Pending",
+        bool(pod.get("metadata", {}).get("deletionTimestamp")),
+        restarts,
+        unschedulable_reason(status) is not None,
+        scheduling_gated(status),
+    )
 
 
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -152,14 +159,16 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_via_client(**kwargs)
 
 
-async def _reconcile_once(shared: Shared, key: tuple[str, str], meta: kopf.Meta, first: dict | None,
-                          live: dict | None, logger: logging.Logger) -> tuple[float | None, str | None]:
+async def _reconcile_once(
+    shared: Shared, key: tuple[str, str], meta: kopf.Meta, first: dict | None, live: dict | None, logger: logging.Logger
+) -> tuple[float | None, str | None]:
     """One pass: the seconds until the next one (None when the job is gone), and the phase."""
     namespace, name = key
     delay = shared.config.resync_seconds
     try:
         outcome = await asyncio.get_running_loop().run_in_executor(
-            shared.executor, shared.controller.reconcile, namespace, name, meta.get("creationTimestamp"), first, live)
+            shared.executor, shared.controller.reconcile, namespace, name, meta.get("creationTimestamp"), first, live
+        )
     except Exception as err:  # API unavailable, conflict...: retried, never fatal
         shared.controller.pods.drop(key)  # and the retry reads everything again
         shared.metrics.reconcile_errors.inc()
@@ -191,7 +200,9 @@ class _Progress:
         loop = asyncio.get_running_loop()
         self.due = loop.time() + self.every
         try:
-            self.sample = await loop.run_in_executor(shared.executor, shared.controller.update_progress, *key, self.sample)
+            self.sample = await loop.run_in_executor(
+                shared.executor, shared.controller.update_progress, *key, self.sample
+            )
         except Exception as err:  # the next read tries again
             logger.warning("progress not written: %s", err)
 
@@ -199,8 +210,16 @@ class _Progress:
         return max(0.0, self.due - asyncio.get_running_loop().time())
 
 
-async def job_loop(name: str, namespace: str, meta: kopf.Meta, body: kopf.Body, stopped: kopf.DaemonStopped,
-                   logger: logging.Logger, memo: kopf.Memo, **_: Any) -> None:
+async def job_loop(
+    name: str,
+    namespace: str,
+    meta: kopf.Meta,
+    body: kopf.Body,
+    stopped: kopf.DaemonStopped,
+    logger: logging.Logger,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
     """Reconcile the job whenever something changes, and at least every resyncSeconds."""
     shared: Shared = memo.shared
     key = (namespace, name)
@@ -279,7 +298,9 @@ async def start_pod_watch(memo: kopf.Memo, **_: Any) -> None:
         shared.controller.pods.clear()
         loop.call_soon_threadsafe(shared.wake_all)
 
-    shared.pod_watch = PodWatch(shared.controller.kube, shared.namespaces, POD_SELECTOR, int(RELIST_SECONDS), on_event, on_gap)
+    shared.pod_watch = PodWatch(
+        shared.controller.kube, shared.namespaces, POD_SELECTOR, int(RELIST_SECONDS), on_event, on_gap
+    )
     shared.pod_watch.start()
 
 
@@ -293,8 +314,9 @@ async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, 
     shared: Shared = memo.shared
     shared.metrics.job_phase((namespace, name), None)
     shared.seen_generation.pop((namespace, name), None)
-    await asyncio.get_running_loop().run_in_executor(shared.executor, shared.controller.delete_children, namespace, name,
-                                                     uid, meta.get("creationTimestamp"))
+    await asyncio.get_running_loop().run_in_executor(
+        shared.executor, shared.controller.delete_children, namespace, name, uid, meta.get("creationTimestamp")
+    )
 
 
 def register(registry: kopf.OperatorRegistry) -> None:

@@ -3,6 +3,7 @@
 Objects go in and come out as plain dicts in the API's own (camelCase) shape, the shape
 the builders produce and the reconcile plan reads.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,13 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlencode
 
 import urllib3
-
-from kubernetes import client, config as kube_config
+from kubernetes import client
+from kubernetes import config as kube_config
 from kubernetes.client.rest import ApiException
 
 from tfps.api import naming
@@ -31,7 +33,9 @@ log = logging.getLogger(__name__)
 CREDENTIALS_REFRESH_SECONDS = 5.0
 
 
-def throttled(hook: Callable[[Any], None], seconds: float, clock: Callable[[], float] = time.monotonic) -> Callable[[Any], None]:
+def throttled(
+    hook: Callable[[Any], None], seconds: float, clock: Callable[[], float] = time.monotonic
+) -> Callable[[Any], None]:
     """`hook`, run at most once every `seconds`; the calls in between do nothing. The loaders'
     hook installs itself on the configuration again each time it runs: the one it installs is
     called from then on, and this one stays in front of it."""
@@ -48,6 +52,7 @@ def throttled(hook: Callable[[Any], None], seconds: float, clock: Callable[[], f
         installed = getattr(configuration, "refresh_api_key_hook", None)
         if installed is not None and installed is not refresh:
             hook, configuration.refresh_api_key_hook = installed, refresh
+
     return refresh
 
 
@@ -152,16 +157,29 @@ class Kube:
             raise
         return any(r.get("name") == plural for r in found.get("resources", []))
 
-    def _raw(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json",
-             query: dict[str, Any] | None = None) -> dict:
+    def _raw(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        content_type: str = "application/json",
+        query: dict[str, Any] | None = None,
+    ) -> dict:
         """One request with the client's connection and credentials; the answer's JSON. The
         operator's frequent calls all come here: the generated methods validate every argument
         with pydantic and build typed models of the answer, several times the cost of the call."""
         data = self._request(method, path, body, content_type, query).read()
         return json.loads(data) if data else {}
 
-    def _request(self, method: str, path: str, body: dict | None = None, content_type: str = "application/json",
-                 query: dict[str, Any] | None = None, timeout: tuple[float, float] = TIMEOUT) -> urllib3.BaseHTTPResponse:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        content_type: str = "application/json",
+        query: dict[str, Any] | None = None,
+        timeout: tuple[float, float] = TIMEOUT,
+    ) -> urllib3.BaseHTTPResponse:
         """urllib3's response (its body not yet read) to one request, on the client's connection
         pool and with its credentials; ApiException unless 2xx. The body goes out as the JSON it
         is: the client's own request path first walks every object to sanitise it, which for a
@@ -170,14 +188,24 @@ class Kube:
         if query:
             path = f"{path}?{urlencode(query)}"
         method, url, headers, _, _ = api.param_serialize(
-            method, path, header_params={"Content-Type": content_type, "Accept": "application/json"},
-            auth_settings=["BearerToken"])
+            method,
+            path,
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            auth_settings=["BearerToken"],
+        )
         data = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         resp = api.rest_client.pool_manager.request(
-            method, url, body=data, headers=headers, timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
-            preload_content=False)
+            method,
+            url,
+            body=data,
+            headers=headers,
+            timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
+            preload_content=False,
+        )
         if not 200 <= resp.status < 300:
-            raise ApiException(status=resp.status, reason=f"{resp.reason}: {resp.read()[:500].decode(errors='replace')}")
+            raise ApiException(
+                status=resp.status, reason=f"{resp.reason}: {resp.read()[:500].decode(errors='replace')}"
+            )
         return resp
 
     def pods_version(self, namespace: str | None, selector: str) -> str:
@@ -189,8 +217,13 @@ class Kube:
         """Pod events ({"type", "object"} as the API sends them, BOOKMARKs included) after
         `version`, until the API server ends the watch after `seconds`. An ERROR event (410
         when `version` is too old) is raised as ApiException."""
-        query = {"watch": "true", "labelSelector": selector, "resourceVersion": version, "allowWatchBookmarks": "true",
-                 "timeoutSeconds": seconds}
+        query = {
+            "watch": "true",
+            "labelSelector": selector,
+            "resourceVersion": version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": seconds,
+        }
         resp = self._request("GET", _pods_path(namespace), query=query, timeout=(TIMEOUT[0], seconds + TIMEOUT[1]))
         try:
             tail = b""
@@ -218,14 +251,19 @@ class Kube:
 
     def delete_children(self, namespace: str, job: str, job_uid: str, map_=map) -> int:
         """Delete the pods and the Service of a job being deleted (only those it owns)."""
-        names = [pod["metadata"]["name"] for pod in self.list_pods(namespace, job)
-                 if any(o.get("uid") == job_uid for o in pod["metadata"].get("ownerReferences") or [])]
+        names = [
+            pod["metadata"]["name"]
+            for pod in self.list_pods(namespace, job)
+            if any(o.get("uid") == job_uid for o in pod["metadata"].get("ownerReferences") or [])
+        ]
         deleted = sum(map_(lambda n: self.delete_pod(namespace, n), names))
         self._delete_if_owned(_path("v1", "Service", namespace, naming.service_name(job)), job_uid)
         # The NetworkPolicy (if the job owns it) and the Secret go before the job does, so a new
         # job of the same name never finds the old ones. The operator may create and delete
         # Secrets but never read one, so the Secret goes by its name (the operator's own).
-        self._delete_if_owned(_path("networking.k8s.io/v1", "NetworkPolicy", namespace, naming.network_policy_name(job)), job_uid)
+        self._delete_if_owned(
+            _path("networking.k8s.io/v1", "NetworkPolicy", namespace, naming.network_policy_name(job)), job_uid
+        )
         _unless_gone(self._raw, "DELETE", _path("v1", "Secret", namespace, naming.auth_secret_name(job)))
         return deleted
 
@@ -246,19 +284,24 @@ class Kube:
         body = {"apiVersion": "kopf.dev/v1", "metadata": {"name": name}}
         try:
             if namespace is None:
-                self.custom.create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings",
-                                                         {**body, "kind": "ClusterKopfPeering"})
+                self.custom.create_cluster_custom_object(
+                    "kopf.dev", "v1", "clusterkopfpeerings", {**body, "kind": "ClusterKopfPeering"}
+                )
             else:
-                self.custom.create_namespaced_custom_object("kopf.dev", "v1", namespace, "kopfpeerings",
-                                                            {**body, "kind": "KopfPeering"})
+                self.custom.create_namespaced_custom_object(
+                    "kopf.dev", "v1", namespace, "kopfpeerings", {**body, "kind": "KopfPeering"}
+                )
         except ApiException as err:
             if err.status == 409:
                 return True
             if err.status == 404:
                 return False
             if err.status == 403:
-                log.warning("not allowed to create kopf peering %r in %s: it must exist for leader election",
-                            name, namespace or "the cluster")
+                log.warning(
+                    "not allowed to create kopf peering %r in %s: it must exist for leader election",
+                    name,
+                    namespace or "the cluster",
+                )
                 return True
             raise
         return True

@@ -22,6 +22,7 @@ The group is one per job incarnation: the job's uid and its status.startTime (se
 are first created, and anew when it resumes from suspension). Kueue fixes a group's size, so the
 replicas of a queued job change through suspend, edit, resume: the resumed job is a new group.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -77,7 +78,9 @@ def pod_metadata(job: TrainingJob, config: OperatorConfig, start_time: str) -> t
     return labels, {TOTAL_COUNT: str(len(semantics.replicas(job.spec)))}
 
 
-def label_pods(pods: list[dict[str, Any]], job: TrainingJob, config: OperatorConfig, start_time: str) -> list[dict[str, Any]]:
+def label_pods(
+    pods: list[dict[str, Any]], job: TrainingJob, config: OperatorConfig, start_time: str
+) -> list[dict[str, Any]]:
     """The built pods with pod_metadata added (the operator's labels win over none of Kueue's)."""
     labels, annotations = pod_metadata(job, config, start_time)
     if not labels:
@@ -93,8 +96,9 @@ def _owned(pod: dict[str, Any], job_uid: str) -> bool:
     return any(o.get("uid") == job_uid for o in pod["metadata"].get("ownerReferences") or [])
 
 
-def release_patches(pods: list[dict[str, Any]], job_uid: str, *, ending: bool, restart: list[str] = (),
-                    delete: list[str] = ()) -> list[tuple[str, dict[str, Any]]]:
+def release_patches(
+    pods: list[dict[str, Any]], job_uid: str, *, ending: bool, restart: list[str] = (), delete: list[str] = ()
+) -> list[tuple[str, dict[str, Any]]]:
     """(pod name, merge patch) to send before the pods in `restart` and `delete` are deleted.
     `ending`: the job finished, is suspended or is deleted, so no pod of its group comes back."""
     patches = []

@@ -1,5 +1,6 @@
 """The metadata every object the operator creates for a job carries: its name and namespace,
 the job's labels, and the owner reference that lets the garbage collector delete it with the job."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,16 +13,25 @@ def owner_reference(job: TrainingJob) -> list[dict[str, Any]]:
     uid = job.metadata.get("uid")
     if not uid:  # `tfps render` of a manifest that was never applied
         return []
-    return [{"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": job.name, "uid": uid,
-             "controller": True, "blockOwnerDeletion": True}]
+    return [
+        {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "name": job.name,
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
 
 
 def job_labels(job: TrainingJob) -> dict[str, str]:
     return {naming.LABEL_JOB: job.name, naming.LABEL_MANAGED_BY: naming.MANAGED_BY}
 
 
-def object_meta(job: TrainingJob, name: str, labels: dict[str, str] | None = None,
-                template: dict[str, Any] | None = None) -> dict[str, Any]:
+def object_meta(
+    job: TrainingJob, name: str, labels: dict[str, str] | None = None, template: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """`labels` (default: the job's) win over the template's; the template's annotations are kept."""
     template = template or {}
     meta: dict[str, Any] = {

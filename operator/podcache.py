@@ -10,19 +10,29 @@ Only the fields decisions read are kept (status.PodView, kueue.release_patches),
 Each pod is kept by name, and the newest resourceVersion wins, so an event that arrives late or
 the answer to our own create or delete never overwrites a newer state.
 """
+
 from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from tfps.api import naming
 
 Key = tuple[str, str]  # namespace, job name
 
-_META = ("name", "namespace", "uid", "resourceVersion", "labels", "annotations", "ownerReferences", "deletionTimestamp",
-         "finalizers")
+_META = (
+    "name",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "labels",
+    "annotations",
+    "ownerReferences",
+    "deletionTimestamp",
+    "finalizers",
+)
 _STATUS = ("phase", "reason", "podIP")
 _CONTAINER = ("name", "restartCount", "state", "lastState")
 
@@ -97,7 +107,7 @@ class PodCache:
         with self._lock:
             pod = (self._jobs.get(key) or {}).get(name)
             if pod is not None and not pod["metadata"].get("deletionTimestamp"):
-                stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
                 self._jobs[key][name] = {**pod, "metadata": {**pod["metadata"], "deletionTimestamp": stamp}}
 
     def replace(self, key: Key, pods: list[dict[str, Any]], list_version: str | None) -> None:

@@ -10,11 +10,12 @@ The stream resumes from the last resourceVersion it saw (BOOKMARKs keep it fresh
 cannot (410 Gone: too old, or on the first start) events may have been missed: `on_gap` runs,
 and the watch starts again from the API server's current version.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from kubernetes.client.rest import ApiException
 
@@ -26,13 +27,22 @@ RETRY_SECONDS = 2.0  # after an error, before watching again
 
 
 class PodWatch:
-    def __init__(self, kube: Kube, namespaces: list[str], selector: str, seconds: int,
-                 on_event: Callable[[str, dict], None], on_gap: Callable[[], None]):
+    def __init__(
+        self,
+        kube: Kube,
+        namespaces: list[str],
+        selector: str,
+        seconds: int,
+        on_event: Callable[[str, dict], None],
+        on_gap: Callable[[], None],
+    ):
         self.kube, self.selector, self.seconds = kube, selector, seconds
         self.on_event, self.on_gap = on_event, on_gap
         self._stopped = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(ns,), name=f"tfps-podwatch-{ns or 'all'}", daemon=True)
-                         for ns in (namespaces or [None])]
+        self._threads = [
+            threading.Thread(target=self._run, args=(ns,), name=f"tfps-podwatch-{ns or 'all'}", daemon=True)
+            for ns in (namespaces or [None])
+        ]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -61,8 +71,12 @@ class PodWatch:
                     log.info("pod watch of %s expired; starting again", namespace or "the cluster")
                     version = None
                     continue
-                log.warning("pod watch of %s failed, again in %.0fs: %s", namespace or "the cluster", RETRY_SECONDS, err)
+                log.warning(
+                    "pod watch of %s failed, again in %.0fs: %s", namespace or "the cluster", RETRY_SECONDS, err
+                )
                 self._stopped.wait(RETRY_SECONDS)
             except Exception as err:  # connection lost, API server restarting...: resume from `version`
-                log.warning("pod watch of %s interrupted, again in %.0fs: %s", namespace or "the cluster", RETRY_SECONDS, err)
+                log.warning(
+                    "pod watch of %s interrupted, again in %.0fs: %s", namespace or "the cluster", RETRY_SECONDS, err
+                )
                 self._stopped.wait(RETRY_SECONDS)

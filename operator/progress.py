@@ -1,4 +1,5 @@
 """Training progress read from the PS pods' Prometheus metrics (status.progress)."""
+
 from __future__ import annotations
 
 import logging

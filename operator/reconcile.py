@@ -6,6 +6,7 @@ the Plan out. `plan()` goes through the job's life in phases, each a function be
 TFJob rules themselves (success, which exits are retried) are tfps.api.semantics', the
 same ones `tfps local` follows.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,24 @@ from tfps.api.spec import CleanPodPolicy, ReplicaType, TrainingJob
 
 from . import kueue
 from .status import (
-    CREATED, FAILED, FINISHED, PENDING, RESTARTING, RUNNING, SUCCEEDED, SUSPENDED,
-    PodView, Reason, condition_true, get_condition, owned_pods, parse_time, ready_column, replica_statuses, set_condition, timestamp,
+    CREATED,
+    FAILED,
+    FINISHED,
+    PENDING,
+    RESTARTING,
+    RUNNING,
+    SUCCEEDED,
+    SUSPENDED,
+    PodView,
+    Reason,
+    condition_true,
+    get_condition,
+    owned_pods,
+    parse_time,
+    ready_column,
+    replica_statuses,
+    set_condition,
+    timestamp,
 )
 
 NORMAL, WARNING = "Normal", "Warning"
@@ -61,10 +78,17 @@ def final_result(job: TrainingJob, pods: list[PodView]) -> dict[str, Any] | None
         return None
     if not isinstance(message, dict):
         return None
-    fields = {"steps": ("step", 0), "loss": ("loss", 6), "accuracy": ("accuracy", 4),  # digits kept, as the timer does
-              "auc": ("auc", 4)}
-    return {ours: round(message[theirs], digits) if digits else int(message[theirs])
-            for theirs, (ours, digits) in fields.items() if isinstance(message.get(theirs), (int, float))}
+    fields = {
+        "steps": ("step", 0),
+        "loss": ("loss", 6),
+        "accuracy": ("accuracy", 4),  # digits kept, as the timer does
+        "auc": ("auc", 4),
+    }
+    return {
+        ours: round(message[theirs], digits) if digits else int(message[theirs])
+        for theirs, (ours, digits) in fields.items()
+        if isinstance(message.get(theirs), (int, float))
+    }
 
 
 def _record_result(plan: Plan, job: TrainingJob, pods: list[PodView], progress: dict[str, Any]) -> None:
@@ -87,7 +111,8 @@ def _explain_waiting(plan: Plan, job: TrainingJob, conds: list[dict], pods: list
         queue = kueue.queue_name(job)
         reason, kind = Reason.SCHEDULING_GATED, NORMAL
         message = f"{len(gated)} pods wait behind a scheduling gate" + (
-            f" until Kueue's queue {queue!r} admits the job" if queue else "")
+            f" until Kueue's queue {queue!r} admits the job" if queue else ""
+        )
     elif stuck:
         reason, kind = Reason.UNSCHEDULABLE, WARNING
         message = "; ".join(f"pod {p.name} cannot be scheduled: {p.unschedulable}" for p in stuck[:3])
@@ -119,8 +144,16 @@ def _count_in_place_restarts(status: dict, pods: list[PodView]) -> tuple[int, di
     return added, new_seen, restarted
 
 
-def _finish(plan: Plan, job: TrainingJob, pods: list[PodView], phase: str, reason: str, message: str,
-            now: datetime, delete_all: bool = False) -> None:
+def _finish(
+    plan: Plan,
+    job: TrainingJob,
+    pods: list[PodView],
+    phase: str,
+    reason: str,
+    message: str,
+    now: datetime,
+    delete_all: bool = False,
+) -> None:
     st = plan.status
     conds = st.get("conditions") or []
     conds = set_condition(conds, RUNNING, False, reason, message, now)
@@ -138,8 +171,11 @@ def _clean_pods(plan: Plan, job: TrainingJob, pods: list[PodView], delete_all: b
     for pod in pods:
         if pod.deleting or pod.name in plan.delete:
             continue
-        if delete_all or policy is CleanPodPolicy.ALL or (
-                policy is CleanPodPolicy.RUNNING and pod.phase in ("Running", "Pending", "Unknown")):
+        if (
+            delete_all
+            or policy is CleanPodPolicy.ALL
+            or (policy is CleanPodPolicy.RUNNING and pod.phase in ("Running", "Pending", "Unknown"))
+        ):
             plan.delete.append(pod.name)
 
 
@@ -185,8 +221,11 @@ def _invalid_spec(result: Plan, error: str, now: datetime) -> None:
     """The CRD's schema rejects these; only reachable with a CRD older than the operator."""
     status = result.status
     if status.get("phase") != FAILED:
-        status.update(phase=FAILED, completionTime=timestamp(now),
-                      conditions=set_condition(status.get("conditions") or [], FAILED, True, Reason.INVALID_SPEC, error, now))
+        status.update(
+            phase=FAILED,
+            completionTime=timestamp(now),
+            conditions=set_condition(status.get("conditions") or [], FAILED, True, Reason.INVALID_SPEC, error, now),
+        )
         result.event(WARNING, Reason.INVALID_SPEC, error)
 
 
@@ -195,7 +234,8 @@ def _observe(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str
     status, spec = result.status, job.spec
     live = [p for p in views if not p.deleting]
     status["workerSelector"] = naming.label_selector(
-        {naming.LABEL_JOB: job.name, naming.LABEL_TYPE: ReplicaType.WORKER.task_type})
+        {naming.LABEL_JOB: job.name, naming.LABEL_TYPE: ReplicaType.WORKER.task_type}
+    )
     added, status["podRestarts"], restarted_in_place = _count_in_place_restarts(old, live)
     status["restartCount"] = int(old.get("restartCount") or 0) + added
     for pod in restarted_in_place:
@@ -207,8 +247,9 @@ def _observe(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str
 
 def _finished(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any], now: datetime) -> None:
     """A finished job only cleans up (again, after an operator restart) and waits for its TTL."""
-    deadline_failure = any(c.get("type") == FAILED and c.get("reason") == Reason.DEADLINE_EXCEEDED
-                           for c in old.get("conditions") or [])
+    deadline_failure = any(
+        c.get("type") == FAILED and c.get("reason") == Reason.DEADLINE_EXCEEDED for c in old.get("conditions") or []
+    )
     _clean_pods(result, job, views, delete_all=deadline_failure)
     ttl = job.spec.run_policy.ttl_seconds_after_finished
     finished_at = parse_time(old.get("completionTime"))
@@ -264,8 +305,16 @@ def _deadline_passed(result: Plan, job: TrainingJob, views: list[PodView], now: 
     if left > 0:
         result.requeue(left)
         return False
-    _finish(result, job, views, FAILED, Reason.DEADLINE_EXCEEDED,
-            f"ran longer than activeDeadlineSeconds ({deadline}s)", now, delete_all=True)
+    _finish(
+        result,
+        job,
+        views,
+        FAILED,
+        Reason.DEADLINE_EXCEEDED,
+        f"ran longer than activeDeadlineSeconds ({deadline}s)",
+        now,
+        delete_all=True,
+    )
     return True
 
 
@@ -275,27 +324,53 @@ def _restart_failed(result: Plan, job: TrainingJob, views: list[PodView], now: d
     spec, status = job.spec, result.status
     backoff = spec.run_policy.backoff_limit
     restarted: list[PodView] = []
-    for pod in sorted((p for p in views if not p.deleting and p.phase == "Failed"), key=lambda p: (p.rtype.value, p.index)):
+    for pod in sorted(
+        (p for p in views if not p.deleting and p.phase == "Failed"), key=lambda p: (p.rtype.value, p.index)
+    ):
         if pod.index >= spec.replicas(pod.rtype):
             result.delete.append(pod.name)  # scaled away while failing: just gone
             continue
         policy = spec.replica_specs[pod.rtype].restart_policy
         if not semantics.retryable(policy, pod.exit_code):
-            _finish(result, job, views, FAILED, Reason.replica_failed(pod.rtype),
-                    f"{pod.describe_exit()}; restartPolicy {policy.value} does not retry it", now)
+            _finish(
+                result,
+                job,
+                views,
+                FAILED,
+                Reason.replica_failed(pod.rtype),
+                f"{pod.describe_exit()}; restartPolicy {policy.value} does not retry it",
+                now,
+            )
             return None
         if status["restartCount"] >= backoff:
-            _finish(result, job, views, FAILED, Reason.BACKOFF_LIMIT_EXCEEDED,
-                    f"{pod.describe_exit()}; backoffLimit {backoff} restarts already used", now)
+            _finish(
+                result,
+                job,
+                views,
+                FAILED,
+                Reason.BACKOFF_LIMIT_EXCEEDED,
+                f"{pod.describe_exit()}; backoffLimit {backoff} restarts already used",
+                now,
+            )
             return None
         status["restartCount"] += 1
         result.restart.append(pod.name)
         restarted.append(pod)
-        result.event(WARNING, Reason.POD_RESTARTING,
-                     f"{pod.describe_exit()}; recreating it (restart {status['restartCount']} of {backoff})")
+        result.event(
+            WARNING,
+            Reason.POD_RESTARTING,
+            f"{pod.describe_exit()}; recreating it (restart {status['restartCount']} of {backoff})",
+        )
     if status["restartCount"] > backoff:
-        _finish(result, job, views, FAILED, Reason.BACKOFF_LIMIT_EXCEEDED,
-                f"{status['restartCount']} restarts exceed backoffLimit {backoff}", now)
+        _finish(
+            result,
+            job,
+            views,
+            FAILED,
+            Reason.BACKOFF_LIMIT_EXCEEDED,
+            f"{status['restartCount']} restarts exceed backoffLimit {backoff}",
+            now,
+        )
         return None
     return restarted
 
@@ -316,8 +391,9 @@ def _scale(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, 
         result.event(NORMAL, Reason.SCALED_DOWN, "deleted pods " + ", ".join(p.name for p in extra))
 
 
-def _set_phase(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any],
-               restarted: list[PodView], now: datetime) -> None:
+def _set_phase(
+    result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, Any], restarted: list[PodView], now: datetime
+) -> None:
     """All wanted pods running -> Running; a restart in progress -> Restarting."""
     status = result.status
     conds = status.get("conditions") or []

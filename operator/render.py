@@ -2,6 +2,7 @@
 
 Uses the operator's own builders, so what is printed is what would be applied.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,9 @@ from .config import OperatorConfig
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="a YAML file with a TrainingJob")
     parser.add_argument("--namespace", "-n", help="namespace (default: the manifest's, else default)")
-    parser.add_argument("--config", help="operator configuration YAML (default: $TFPS_OPERATOR_CONFIG or built-in defaults)")
+    parser.add_argument(
+        "--config", help="operator configuration YAML (default: $TFPS_OPERATOR_CONFIG or built-in defaults)"
+    )
 
 
 def render(manifest_path: str, namespace: str | None = None, config: OperatorConfig | None = None) -> str:

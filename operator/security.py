@@ -11,6 +11,7 @@
   so that Prometheus and the operator's progress reader can scrape). Pods' DNS and egress
   are untouched (only Ingress is restricted).
 """
+
 from __future__ import annotations
 
 import base64
@@ -42,8 +43,12 @@ def build_auth_secret(job: TrainingJob, token: str, tls: pki.TlsMaterial) -> dic
         "metadata": object_meta(job, naming.auth_secret_name(job.name)),
         # Pods read it through a volume; nobody edits it (kubelets need not watch it either).
         "immutable": True,
-        "data": {naming.TOKEN_KEY: _b64(token.encode()), naming.CA_KEY: _b64(tls.ca_crt),
-                 naming.CERT_KEY: _b64(tls.tls_crt), naming.KEY_KEY: _b64(tls.tls_key)},
+        "data": {
+            naming.TOKEN_KEY: _b64(token.encode()),
+            naming.CA_KEY: _b64(tls.ca_crt),
+            naming.CERT_KEY: _b64(tls.tls_crt),
+            naming.KEY_KEY: _b64(tls.tls_key),
+        },
     }
 
 
@@ -67,8 +72,13 @@ def build_network_policy(job: TrainingJob, config: OperatorConfig) -> dict[str, 
             "podSelector": {"matchLabels": naming.job_selector(job.name)},
             "policyTypes": ["Ingress"],
             "ingress": [
-                {"from": [same_job], "ports": [{"protocol": "TCP", "port": config.ports.grpc},
-                                               {"protocol": "TCP", "port": config.ports.data}]},
+                {
+                    "from": [same_job],
+                    "ports": [
+                        {"protocol": "TCP", "port": config.ports.grpc},
+                        {"protocol": "TCP", "port": config.ports.data},
+                    ],
+                },
                 metrics_rule,
             ],
         },
@@ -94,7 +104,10 @@ def secure_pod(pod: dict[str, Any]) -> dict[str, Any]:
     job = pod["metadata"]["labels"][naming.LABEL_JOB]
     spec = pod["spec"]
     spec.setdefault("automountServiceAccountToken", False)
-    volume = {"name": AUTH_VOLUME, "secret": {"secretName": naming.auth_secret_name(job), "defaultMode": AUTH_FILE_MODE}}
+    volume = {
+        "name": AUTH_VOLUME,
+        "secret": {"secretName": naming.auth_secret_name(job), "defaultMode": AUTH_FILE_MODE},
+    }
     spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") != AUTH_VOLUME] + [volume]
     for c in spec["containers"]:
         if c.get("name") != naming.CONTAINER_NAME:

@@ -1,8 +1,9 @@
 """Pure status helpers: what the pods say, counts by replica type, TFJob-style conditions."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from tfps.api import naming
@@ -10,7 +11,13 @@ from tfps.api.spec import ReplicaType, TrainingJobSpec
 
 # Phases (status.phase) and condition types (TFJob's).
 PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED = (
-    "Pending", "Running", "Restarting", "Succeeded", "Failed", "Suspended")
+    "Pending",
+    "Running",
+    "Restarting",
+    "Succeeded",
+    "Failed",
+    "Suspended",
+)
 CREATED = "Created"
 PHASES = (PENDING, RUNNING, RESTARTING, SUCCEEDED, FAILED, SUSPENDED)
 FINISHED = (SUCCEEDED, FAILED)
@@ -44,25 +51,33 @@ class Reason:
 
 
 def timestamp(now: datetime) -> str:
-    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(value: str | None) -> datetime | None:
     if not value:
         return None
-    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
 
 
 def unschedulable_reason(status: dict[str, Any]) -> str | None:
     """The scheduler's message while it cannot place the pod whose `status` this is, else None."""
-    return next((c.get("message") or "no node fits" for c in status.get("conditions") or []
-                 if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"), None)
+    return next(
+        (
+            c.get("message") or "no node fits"
+            for c in status.get("conditions") or []
+            if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+        ),
+        None,
+    )
 
 
 def scheduling_gated(status: dict[str, Any]) -> bool:
     """Whether a scheduling gate holds the pod whose `status` this is back from the scheduler."""
-    return any(c.get("type") == "PodScheduled" and c.get("reason") == Reason.SCHEDULING_GATED
-               for c in status.get("conditions") or [])
+    return any(
+        c.get("type") == "PodScheduled" and c.get("reason") == Reason.SCHEDULING_GATED
+        for c in status.get("conditions") or []
+    )
 
 
 @dataclass(frozen=True)
@@ -84,12 +99,16 @@ class PodView:
     gated: bool = False  # held back from the scheduler by a scheduling gate
 
     @classmethod
-    def from_pod(cls, pod: dict[str, Any]) -> "PodView":
+    def from_pod(cls, pod: dict[str, Any]) -> PodView:
         meta, status = pod.get("metadata") or {}, pod.get("status") or {}
         labels = meta.get("labels") or {}
         containers = status.get("containerStatuses") or []
-        main = next((c for c in containers if c.get("name") == naming.CONTAINER_NAME), containers[0] if containers else {})
-        terminated = (main.get("state") or {}).get("terminated") or (main.get("lastState") or {}).get("terminated") or {}
+        main = next(
+            (c for c in containers if c.get("name") == naming.CONTAINER_NAME), containers[0] if containers else {}
+        )
+        terminated = (
+            (main.get("state") or {}).get("terminated") or (main.get("lastState") or {}).get("terminated") or {}
+        )
         exit_code = terminated.get("exitCode")
         return cls(
             name=meta["name"],
@@ -154,8 +173,9 @@ def condition_true(conditions: list[dict], ctype: str) -> bool:
     return bool(cond and cond.get("status") == "True")
 
 
-def set_condition(conditions: list[dict], ctype: str, true: bool, reason: str, message: str, now: datetime,
-                  list_false: bool = False) -> list[dict]:
+def set_condition(
+    conditions: list[dict], ctype: str, true: bool, reason: str, message: str, now: datetime, list_false: bool = False
+) -> list[dict]:
     """Return the conditions with `ctype` set; lastTransitionTime moves only when the status flips.
     A condition that never held is not listed, unless `list_false` (it explains a wait)."""
     status = "True" if true else "False"
@@ -164,8 +184,16 @@ def set_condition(conditions: list[dict], ctype: str, true: bool, reason: str, m
         return conditions
     if old and old.get("status") == status and old.get("reason") == reason and old.get("message") == message:
         return conditions
-    new = {"type": ctype, "status": status, "reason": reason, "message": message, "lastUpdateTime": timestamp(now),
-           "lastTransitionTime": timestamp(now) if not old or old.get("status") != status else old.get("lastTransitionTime")}
+    new = {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastUpdateTime": timestamp(now),
+        "lastTransitionTime": timestamp(now)
+        if not old or old.get("status") != status
+        else old.get("lastTransitionTime"),
+    }
     return [new if c.get("type") == ctype else c for c in conditions] if old else [*conditions, new]
 
 

@@ -13,6 +13,7 @@ named by $TFPS_AUTH_TOKEN_FILE (the token file; the TLS files lie next to it).
 Without $TFPS_AUTH_TOKEN_FILE a PS runs open (and says so): a PS started by hand or by a test
 on loopback. The operator always sets it.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -51,7 +52,7 @@ class Material:
     tls_key: bytes | None = None
 
     @classmethod
-    def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> "Material | None":
+    def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> Material | None:
         """The material named by $TFPS_AUTH_TOKEN_FILE; None when unset. TLS files are read
         (and required) only with `tls`."""
         path = ProcessSettings.from_env(env).auth_token_file
@@ -115,7 +116,7 @@ def _deny_like(handler: grpc.RpcMethodHandler | None, on_reject) -> grpc.RpcMeth
 
 class TokenInterceptor(grpc.ServerInterceptor):
     def __init__(self, token: bytes, on_reject):
-        self._expected = (SCHEME.encode() + token)
+        self._expected = SCHEME.encode() + token
         self._on_reject = on_reject
 
     def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
@@ -134,11 +135,18 @@ class ServerSecurity:
     material: Material | None
 
     @classmethod
-    def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> "ServerSecurity":
+    def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> ServerSecurity:
         material = Material.from_env(tls, env)
         if material is None:
-            log.warning(json.dumps({"event": "open", "detail": f"{ENV_AUTH_TOKEN_FILE} is not set: "
-                                    "this PS accepts calls from anyone who can reach it"}))
+            log.warning(
+                json.dumps(
+                    {
+                        "event": "open",
+                        "detail": f"{ENV_AUTH_TOKEN_FILE} is not set: "
+                        "this PS accepts calls from anyone who can reach it",
+                    }
+                )
+            )
         return cls(material)
 
     def interceptors(self, metrics=None, ps_index: int | None = None) -> tuple[grpc.ServerInterceptor, ...]:
@@ -165,12 +173,19 @@ class ServerSecurity:
 class _CallDetails(grpc.ClientCallDetails):
     def __init__(self, base: grpc.ClientCallDetails, metadata: list[tuple[str, str]]):
         self.method, self.timeout, self.credentials = base.method, base.timeout, base.credentials
-        self.wait_for_ready, self.compression = getattr(base, "wait_for_ready", None), getattr(base, "compression", None)
+        self.wait_for_ready, self.compression = (
+            getattr(base, "wait_for_ready", None),
+            getattr(base, "compression", None),
+        )
         self.metadata = metadata
 
 
-class _TokenSender(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _TokenSender(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     def __init__(self, token: bytes):
         self._header = (METADATA_KEY, SCHEME + token.decode())
 
@@ -195,7 +210,7 @@ class ClientSecurity:
     material: Material | None
 
     @classmethod
-    def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> "ClientSecurity":
+    def from_env(cls, tls: bool, env: dict[str, str] | None = None) -> ClientSecurity:
         return cls(Material.from_env(tls, env))
 
     def channel(self, address: str, options: list) -> grpc.Channel:
@@ -203,7 +218,9 @@ class ClientSecurity:
         if m is None:
             return grpc.insecure_channel(address, options=options)
         if m.tls:
-            channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=m.ca_crt), options=options)
+            channel = grpc.secure_channel(
+                address, grpc.ssl_channel_credentials(root_certificates=m.ca_crt), options=options
+            )
         else:
             channel = grpc.insecure_channel(address, options=options)
         return grpc.intercept_channel(channel, _TokenSender(m.token))

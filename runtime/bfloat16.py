@@ -4,6 +4,7 @@ one pass in C (runtime/_rows.c) rather than through NumPy's astype, which conver
 ml_dtypes' bfloat16 element by element. The same values either way: round to nearest, ties to
 even, as ml_dtypes and TensorFlow's cast round. Dtypes are told by their wire names, so that a
 float32 job's PS never imports ml_dtypes."""
+
 from __future__ import annotations
 
 import numpy as np

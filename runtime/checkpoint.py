@@ -11,6 +11,7 @@ model and the old PS count (runtime/sharding.py is deterministic), and each old 
 match it. The restored step is the smallest of the old shards' (async shards checkpoint at
 their own pace); the per-worker clocks likewise.
 """
+
 from __future__ import annotations
 
 import errno
@@ -28,7 +29,8 @@ import numpy as np
 
 from tfps.api.settings import ProcessSettings
 
-from . import _rows as kernels, wire
+from . import _rows as kernels
+from . import wire
 from .sharding import Part, Placement
 
 log = logging.getLogger("tfps.ps")
@@ -108,7 +110,7 @@ class DirectFile:
         src = np.frombuffer(data, np.uint8)
         while src.size:
             n = min(src.size, self.buf.size - self.fill)
-            self.buf[self.fill:self.fill + n] = src[:n]
+            self.buf[self.fill : self.fill + n] = src[:n]
             self.fill += n
             src = src[n:]
             if self.fill == self.buf.size:
@@ -134,22 +136,22 @@ class DirectFile:
 
     def _next(self, n: int) -> np.ndarray:
         """The next `n` bytes of the staging buffer (`_make_room` made them), for the caller to fill."""
-        return self.buf[self.fill:self.fill + n]
+        return self.buf[self.fill : self.fill + n]
 
     def _flush(self, n: int) -> None:
         """Write the first `n` staged bytes (a multiple of ALIGN, or all of them with the last
         padded: `finish` cuts the padding off) and move the rest to the buffer's start."""
-        view = memoryview(self.buf[:-(-n // self.ALIGN) * self.ALIGN])
+        view = memoryview(self.buf[: -(-n // self.ALIGN) * self.ALIGN])
         while view:
             try:
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(self.fd, view) :]
             except OSError as err:
                 if err.errno != errno.EINVAL or not self.direct:
                     raise
                 self.direct = self._set_direct(False)  # refused at a write: nothing was written
         rest = self.fill - n
         if rest > 0:
-            self.buf[:rest] = self.buf[n:self.fill]
+            self.buf[:rest] = self.buf[n : self.fill]
         self.size += n
         self.fill = rest
 
@@ -192,9 +194,9 @@ def load_rows(dst: np.ndarray, src: np.ndarray, block_bytes: int = 16 << 20) -> 
     step = max(1, block_bytes // max(1, dst.nbytes // dst.shape[0]))
     mapped = _mapping(src)
     for lo in range(0, dst.shape[0], step):
-        np.copyto(dst[lo:lo + step], src[lo:lo + step])
+        np.copyto(dst[lo : lo + step], src[lo : lo + step])
         if mapped is not None:
-            _drop(mapped, src[lo:lo + step])
+            _drop(mapped, src[lo : lo + step])
 
 
 def _mapping(arr: np.ndarray) -> tuple[mmap.mmap, int] | None:
@@ -327,7 +329,9 @@ class ShardCheckpoints:
         self.step = max(self.step, meta["version"])
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_step.set(self.step)
-        log.info(json.dumps({"event": "checkpoint", "ps": self.index, "step": meta["version"], "path": str(self.folder)}))
+        log.info(
+            json.dumps({"event": "checkpoint", "ps": self.index, "step": meta["version"], "path": str(self.folder)})
+        )
 
     def load(self, parts: list, optimizer: str, num_ps: int | None, placement=None) -> wire.Message | None:
         """The newest checkpoint of these parts, None without one; an error when it is another
@@ -351,8 +355,11 @@ class ShardCheckpoints:
         self.step = int(msg.meta["version"])
         self.metrics.restored.inc()
         self.metrics.checkpoint_step.set(self.step)
-        log.info(json.dumps({"event": event, "ps": self.index, "step": self.step, "path": str(self.folder),
-                             "from_ps": written_by}))
+        log.info(
+            json.dumps(
+                {"event": event, "ps": self.index, "step": self.step, "path": str(self.folder), "from_ps": written_by}
+            )
+        )
         return msg
 
     def close(self) -> None:
@@ -378,14 +385,16 @@ def gather(root: str | Path, own: list[Part], old: Placement) -> wire.Message:
         msg = read(shard_dir(root, i))
         expected = {p.name: list(p.shape) for p in old.for_ps(i)}
         if msg is None or msg.meta.get("parts") != expected:
-            raise RuntimeError(f"cannot re-shard the checkpoint in {root}: PS {i} of {old.num_ps} "
-                               f"{'has none' if msg is None else 'was written for another model or placement'}")
+            raise RuntimeError(
+                f"cannot re-shard the checkpoint in {root}: PS {i} of {old.num_ps} "
+                f"{'has none' if msg is None else 'was written for another model or placement'}"
+            )
         saved[i] = msg
     tensors = {}
     for part in own:
         sources = sorted(old.parts_of(part.var), key=lambda p: p.start)
         first = saved[sources[0].ps].tensors
-        for suffix in [name[len(sources[0].name):] for name in first if name.split(":")[0] == sources[0].name]:
+        for suffix in [name[len(sources[0].name) :] for name in first if name.split(":")[0] == sources[0].name]:
             tensors[part.name + suffix] = _rows(part, sources, saved, suffix)
     metas = [m.meta for m in saved.values()]
     clocks = [m.get("clocks", []) for m in metas]
@@ -406,5 +415,5 @@ def _rows(part: Part, sources: list[Part], saved: dict[int, wire.Message], suffi
     for src in sources:
         lo, hi = max(part.start, src.start), min(part.stop, src.stop)
         if lo < hi:
-            pieces.append(saved[src.ps].tensors[src.name + suffix][lo - src.start:hi - src.start])
+            pieces.append(saved[src.ps].tensors[src.name + suffix][lo - src.start : hi - src.start])
     return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

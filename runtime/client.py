@@ -6,11 +6,11 @@ connection breaks; the client retries with exponential backoff for up to `retry_
 counting each retry, and reconnects (a restarted PS may listen on another data port).
 Anything else (INVALID_ARGUMENT above all) is fatal: retrying a malformed request cannot help.
 """
+
 from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 
 import grpc
@@ -39,8 +39,14 @@ def _retryable(err: BaseException) -> bool:
 
 
 class ShardClient:
-    def __init__(self, address: str, index: int, retry_seconds: float = 300.0, on_retry=None,
-                 security: ClientSecurity | None = None):
+    def __init__(
+        self,
+        address: str,
+        index: int,
+        retry_seconds: float = 300.0,
+        on_retry=None,
+        security: ClientSecurity | None = None,
+    ):
         self.address, self.index = address, index
         self.retry_seconds = retry_seconds
         self.on_retry = on_retry
@@ -67,14 +73,22 @@ class ShardClient:
             self._note_retry(what, state.outcome.exception(), state.upcoming_sleep)
 
         retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(_retryable), stop=tenacity.stop_after_delay(self.retry_seconds),
-            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0), before_sleep=before_sleep, reraise=True)
+            retry=tenacity.retry_if_exception(_retryable),
+            stop=tenacity.stop_after_delay(self.retry_seconds),
+            wait=tenacity.wait_random_exponential(multiplier=0.1, max=2.0),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
         return retrying(fn)
 
     def _note_retry(self, what: str, err: grpc.RpcError, delay: float) -> None:
         if self.on_retry:
             self.on_retry()
-        log.info(json.dumps({"event": "retry", "ps": self.index, "call": what, "code": err.code().name, "delay": round(delay, 2)}))
+        log.info(
+            json.dumps(
+                {"event": "retry", "ps": self.index, "call": what, "code": err.code().name, "delay": round(delay, 2)}
+            )
+        )
 
     def step(self, meta: dict, tensors: dict, large: bool) -> wire.Message:
         """One Step call (push and/or pull). Over gRPC, `large` sends it as a chunked stream."""
@@ -88,12 +102,16 @@ class ShardClient:
                     return conn.step(meta, tensors)
                 except (OSError, ValueError) as err:  # ssl.SSLError is an OSError
                     self._drop_data()
-                    raise DataPathError(grpc.StatusCode.UNAVAILABLE, f"data connection to PS {self.index}: {err}") from None
+                    raise DataPathError(
+                        grpc.StatusCode.UNAVAILABLE, f"data connection to PS {self.index}: {err}"
+                    ) from None
                 except DataPathError:
                     self._drop_data()
                     raise
         if large:
-            return wire.decode(wire.join(self._step_stream(iter(wire.encode_chunks(meta, tensors)), timeout=CALL_TIMEOUT)))
+            return wire.decode(
+                wire.join(self._step_stream(iter(wire.encode_chunks(meta, tensors)), timeout=CALL_TIMEOUT))
+            )
         return wire.decode(self._step(wire.encode(meta, tensors), timeout=CALL_TIMEOUT))
 
     def _data_connection(self) -> DataConnection | None:
@@ -108,7 +126,7 @@ class ShardClient:
         try:
             self._data = DataConnection(host, int(port), self.security.material, CALL_TIMEOUT)
             log.info(json.dumps({"event": "data-path", "ps": self.index, "host": host, "port": int(port)}))
-        except socket.timeout:  # dropped, not refused: a network policy without the data port
+        except TimeoutError:  # dropped, not refused: a network policy without the data port
             self._fall_back(f"no answer from {host}:{port} within {datapath.CONNECT_SECONDS} s", logging.WARNING)
         except OSError as err:  # refused or reset: the PS is restarting
             raise DataPathError(grpc.StatusCode.UNAVAILABLE, f"data port of PS {self.index}: {err}") from None
@@ -121,7 +139,9 @@ class ShardClient:
     def _drop_data(self, err: BaseException | None = None) -> None:
         """Close the data connection; with `err`, say why (the Step is made again through `step`)."""
         if err is not None:
-            log.warning(json.dumps({"event": "data-path-failed", "ps": self.index, "detail": f"{type(err).__name__}: {err}"}))
+            log.warning(
+                json.dumps({"event": "data-path-failed", "ps": self.index, "detail": f"{type(err).__name__}: {err}"})
+            )
         if self._data is not None:
             self._data.close()
             self._data = None
@@ -139,7 +159,6 @@ class ShardClient:
         with self._data_lock:
             self._drop_data()
         self.channel.close()
-
 
 
 class SentSteps:

@@ -12,6 +12,7 @@ worker may get parameters back. runtime/ps.py applies what this decides.
 A worker is live when it made a call within `worker_timeout` seconds; a worker never seen
 counts as live for `startup_grace` seconds after the PS started.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,8 +53,14 @@ class Push:
 
 
 class Consistency:
-    def __init__(self, mode: ConsistencyMode, staleness: int, num_workers: int,
-                 worker_timeout: float = 10.0, startup_grace: float = 120.0):
+    def __init__(
+        self,
+        mode: ConsistencyMode,
+        staleness: int,
+        num_workers: int,
+        worker_timeout: float = 10.0,
+        startup_grace: float = 120.0,
+    ):
         self.mode, self.bound = mode, staleness
         self.num_workers = num_workers
         self.worker_timeout, self.startup_grace = worker_timeout, startup_grace
@@ -157,10 +164,18 @@ class Consistency:
             dense[name] = terms[0]
             if len(terms) == 2:
                 plus[name] = terms[1]
-        sparse = {name: (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]) * scale)
-                  for name, pieces in self._sparse_acc.items()}
-        update = Update(dense, sparse, self._acc_examples, float(np.mean(self._acc_loss)) if self._acc_loss else None,
-                        plus=plus, scale=float(scale))
+        sparse = {
+            name: (np.concatenate([p[0] for p in pieces]), np.concatenate([p[1] for p in pieces]) * scale)
+            for name, pieces in self._sparse_acc.items()
+        }
+        update = Update(
+            dense,
+            sparse,
+            self._acc_examples,
+            float(np.mean(self._acc_loss)) if self._acc_loss else None,
+            plus=plus,
+            scale=float(scale),
+        )
         self.reset()
         return update
 

@@ -16,8 +16,10 @@ one reply frame. A refused request is answered with meta `{"error": {code, reaso
 and counted like a refused gRPC call; a frame the PS cannot read (oversize, cut short)
 closes the connection.
 """
+
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import socket
@@ -66,6 +68,7 @@ def wanted(env: dict[str, str] | None = None) -> bool:
 
 # ---- frames ----------------------------------------------------------------------------
 
+
 def send_frame(sock: socket.socket, pieces: list) -> None:
     """Send `pieces` (bytes and memoryviews, one wire message) as one frame without joining them."""
     views = [p if type(p) is bytes else memoryview(p).cast("B") for p in pieces]
@@ -76,7 +79,7 @@ def send_frame(sock: socket.socket, pieces: list) -> None:
         return
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i:i + IOV_MAX])
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
         while sent:  # a partial send: skip what went, resume mid-piece
             if sent >= len(views[i]):
                 sent -= len(views[i])
@@ -132,6 +135,7 @@ def error_pieces(code: str, reason: str, detail: str) -> list:
 
 # ---- TLS -------------------------------------------------------------------------------
 
+
 def server_context(material: Material) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -154,6 +158,7 @@ def client_context(material: Material) -> ssl.SSLContext:
 
 
 # ---- the PS side -------------------------------------------------------------------------
+
 
 class DataServer:
     """Serves `shard.step` on its own port, one thread per connection (a job has few workers)."""
@@ -251,13 +256,12 @@ class DataServer:
             conns = list(self._conns)
         self._listener.close()
         for sock in conns:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 # ---- the worker side ---------------------------------------------------------------------
+
 
 class ReplyBuffers:
     """Aligned buffers for replies, each reused once nothing refers to it any more.
@@ -293,7 +297,11 @@ class DataConnection:
         raw = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.sock = client_context(material).wrap_socket(raw, server_hostname=host) if material is not None and material.tls else raw
+            self.sock = (
+                client_context(material).wrap_socket(raw, server_hostname=host)
+                if material is not None and material.tls
+                else raw
+            )
             token = material.token.decode() if material is not None else ""
             reply = self.call(wire.pieces({"hello": {"token": token}}, {}))  # within CONNECT_SECONDS
             if reply.meta.get("hello") != "ok":

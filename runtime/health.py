@@ -7,6 +7,7 @@ two messages of one field each. Their encodings are written here: the request is
 `HealthCheckRequest{string service = 1}`, the reply `HealthCheckResponse{ServingStatus status = 1}`
 (the tests ask with grpcio-health-checking's own client).
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,7 +57,7 @@ def requested_service(request: bytes) -> str:
                 raise MalformedRequest("truncated field")
             if field == _SERVICE_FIELD:
                 try:
-                    service = request[pos:pos + size].decode()
+                    service = request[pos : pos + size].decode()
                 except UnicodeDecodeError as err:
                     raise MalformedRequest("service name is not UTF-8") from err
             pos += size
@@ -99,7 +100,10 @@ def handler(services: Iterable[str]) -> grpc.GenericRpcHandler:
         yield response(SERVING if service_of(request, context) in known else SERVICE_UNKNOWN)
         ended.wait()
 
-    return grpc.method_handlers_generic_handler(HEALTH_SERVICE, {
-        "Check": grpc.unary_unary_rpc_method_handler(check),
-        "Watch": grpc.unary_stream_rpc_method_handler(watch),
-    })
+    return grpc.method_handlers_generic_handler(
+        HEALTH_SERVICE,
+        {
+            "Check": grpc.unary_unary_rpc_method_handler(check),
+            "Watch": grpc.unary_stream_rpc_method_handler(watch),
+        },
+    )

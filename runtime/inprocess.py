@@ -3,6 +3,7 @@
 For tests and benchmarks that want to look inside: the shards' state, byte counters and
 final parameters, without process start-up. `tfps local` is the multi-process path.
 """
+
 from __future__ import annotations
 
 import threading
@@ -33,14 +34,21 @@ class InProcessCluster:
     def model(self) -> ModelDef:
         return load_model(self.training.model, self.training.model_args, self.training.seed)
 
-    def start(self) -> "InProcessCluster":
+    def start(self) -> InProcessCluster:
         model = self.model()
         plan = place(model.params, self.num_ps)
         params = {p.name: p for p in model.params}
         for i in range(self.num_ps):
-            shard = Shard(plan.for_ps(i), params, self.training, self.num_workers, i,
-                          PSMetrics(Identity(self.job, "default", "ps", i)), checkpoint_root=self.checkpoint_root,
-                          num_ps=self.num_ps)
+            shard = Shard(
+                plan.for_ps(i),
+                params,
+                self.training,
+                self.num_workers,
+                i,
+                PSMetrics(Identity(self.job, "default", "ps", i)),
+                checkpoint_root=self.checkpoint_root,
+                num_ps=self.num_ps,
+            )
             server, port = serve(shard, "127.0.0.1:0")
             self.shards.append(shard)
             self.servers.append(server)
@@ -48,8 +56,14 @@ class InProcessCluster:
         return self
 
     def worker(self, index: int) -> Worker:
-        return Worker(self.model(), self.training, self.addresses, self.num_workers, index,
-                      WorkerMetrics(Identity(self.job, "default", "worker", index)))
+        return Worker(
+            self.model(),
+            self.training,
+            self.addresses,
+            self.num_workers,
+            index,
+            WorkerMetrics(Identity(self.job, "default", "worker", index)),
+        )
 
     def train(self) -> tuple[list[Worker], dict]:
         """Run every worker to the end in threads; returns the workers and worker 0's result."""
@@ -86,7 +100,7 @@ class InProcessCluster:
         for shard in self.shards:
             shard.close()
 
-    def __enter__(self) -> "InProcessCluster":
+    def __enter__(self) -> InProcessCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -12,9 +12,11 @@ Python API (for tests and `tfps bench`): `LocalRun(job).run()` returns the resul
 `run_job(job)` does the same in one call. `on_status(run, status)` is called on every
 poll with PS 0's status and may inject faults with `run.kill("ps", 0)`.
 """
+
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -23,11 +25,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
+from tfps.api import semantics
 from tfps.api.naming import (
+    CONTAINER_NAME,
     ENV_AUTH_TOKEN_FILE,
     ENV_BIND_ADDRESS,
     ENV_INTRA_OP_THREADS,
@@ -38,8 +42,6 @@ from tfps.api.naming import (
     ENV_TF_CONFIG,
     ENV_TRAINING,
 )
-from tfps.api import semantics
-from tfps.api.naming import CONTAINER_NAME
 from tfps.api.spec import ReplicaType, TrainingJob, load_manifest
 from tfps.api.tfconfig import tf_config
 
@@ -50,11 +52,11 @@ from .process import cpu_seconds, peak_rss_bytes
 POLL_SECONDS = 0.25
 
 
-
 def process_threads(processes: int) -> int:
     """TensorFlow threads (per pool) of each of `processes` sharing this machine: like
     torchrun's OMP_NUM_THREADS, they split its cores."""
     return max(1, (os.cpu_count() or 1) // processes)
+
 
 @dataclass(frozen=True)
 class CpuSample:
@@ -104,7 +106,7 @@ class Fault:
     fired: bool = False
 
     @classmethod
-    def parse(cls, text: str) -> "Fault":
+    def parse(cls, text: str) -> Fault:
         replica, _, step = text.partition("@")
         if not step or "-" not in replica:
             raise ValueError(f"--kill {text!r}: use REPLICA@STEP, e.g. ps-0@300")
@@ -115,7 +117,7 @@ class Fault:
 class LocalRun:
     job: TrainingJob
     workdir: Path | None = None
-    on_status: Callable[["LocalRun", dict], None] | None = None
+    on_status: Callable[[LocalRun, dict], None] | None = None
     faults: list[Fault] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every process
     keep_workdir: bool = False
@@ -125,8 +127,10 @@ class LocalRun:
         if spec.training is None:
             missing = [t.value for t, _ in semantics.replicas(spec) if not self._user_command(t)]
             if missing:
-                raise ValueError(f"spec.replicaSpecs.{missing[0]}: without spec.training, tfps local runs the command of "
-                                 f"the template's {CONTAINER_NAME!r} container, and it has none")
+                raise ValueError(
+                    f"spec.replicaSpecs.{missing[0]}: without spec.training, tfps local runs the command of "
+                    f"the template's {CONTAINER_NAME!r} container, and it has none"
+                )
         self._own_workdir = self.workdir is None
         self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix=f"tfps-{self.job.name}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +142,8 @@ class LocalRun:
         # operator's per-job Secret gives pods.
         self.token_file = auth.write_material(self.workdir / "auth", pki.new_token(), self._tls_material())
         self.replicas: dict[tuple[str, int], Replica] = {
-            (rtype.task_type, i): Replica(rtype, i, free_port(), free_port()) for rtype, i in semantics.replicas(spec)}
+            (rtype.task_type, i): Replica(rtype, i, free_port(), free_port()) for rtype, i in semantics.replicas(spec)
+        }
         reporter_type, reporter_index = semantics.reporting_replica(spec)
         self.reporter = (reporter_type.task_type, reporter_index)
         self.result_file = self.workdir / f"result-{reporter_type.task_type}-{reporter_index}.json"
@@ -180,10 +185,15 @@ class LocalRun:
         return [sys.executable, "-m", "tfps.cli.main", *args]
 
     def _environment(self, replica: Replica) -> dict[str, str]:
-        cfg = tf_config(self.job.name, self.job.namespace, self.job.spec, replica.rtype, replica.index, address=self._address)
+        cfg = tf_config(
+            self.job.name, self.job.namespace, self.job.spec, replica.rtype, replica.index, address=self._address
+        )
         # The template's plain env values, under the ones the operator owns (as in its pods).
-        user_env = {e["name"]: str(e["value"]) for e in self._user_container(replica.rtype).get("env") or []
-                    if "name" in e and "value" in e}
+        user_env = {
+            e["name"]: str(e["value"])
+            for e in self._user_container(replica.rtype).get("env") or []
+            if "name" in e and "value" in e
+        }
         env = {
             **os.environ,
             **user_env,
@@ -209,7 +219,10 @@ class LocalRun:
         log = open(replica.log_path, "ab")
         replica.proc = subprocess.Popen(
             self._command(replica),
-            env=self._environment(replica), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=self._environment(replica),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         log.close()
 
@@ -237,7 +250,9 @@ class LocalRun:
             from .client import ShardClient
 
             security = auth.ClientSecurity.from_env(self.training.tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
-            self._clients[index] = ShardClient(self._address(ReplicaType.PS, index), index, retry_seconds=0, security=security)
+            self._clients[index] = ShardClient(
+                self._address(ReplicaType.PS, index), index, retry_seconds=0, security=security
+            )
         return self._clients[index]
 
     def poll_status(self) -> dict:
@@ -250,7 +265,9 @@ class LocalRun:
     def _wire_bytes(self) -> int | None:
         """Bytes of Step and PullFull messages through every PS, either way."""
         try:
-            return sum(self._ps(k).status(timeout=5.0)["wire_bytes"] for k in range(self.job.spec.replicas(ReplicaType.PS)))
+            return sum(
+                self._ps(k).status(timeout=5.0)["wire_bytes"] for k in range(self.job.spec.replicas(ReplicaType.PS))
+            )
         except Exception:
             return None
 
@@ -269,7 +286,9 @@ class LocalRun:
             return
         cpu: dict[str, float] = {}
         for replica in self.replicas.values():
-            seconds = cpu_seconds(replica.proc.pid) if replica.proc is not None and replica.proc.poll() is None else None
+            seconds = (
+                cpu_seconds(replica.proc.pid) if replica.proc is not None and replica.proc.poll() is None else None
+            )
             if seconds is None:
                 return
             cpu[replica.rtype.task_type] = cpu.get(replica.rtype.task_type, 0.0) + seconds
@@ -283,11 +302,16 @@ class LocalRun:
     def on_exit(self, replica: Replica, code: int) -> tuple[bool, str | None]:
         """Decide about a replica that exited: (restart it?, the job's failure reason or None)."""
         backoff = self.job.spec.run_policy.backoff_limit
-        self.events.append(f"{replica.name} exited with code {code} at step {self.status.get('global_step')} ({time.strftime('%H:%M:%S')})")
+        self.events.append(
+            f"{replica.name} exited with code {code} at step {self.status.get('global_step')} ({time.strftime('%H:%M:%S')})"
+        )
         if not self._should_restart(replica, code):
             replica.exit_code = code
             if code != 0:
-                return False, f"{replica.name} exited with code {code} (restartPolicy {self.job.spec.replica_specs[replica.rtype].restart_policy.value})"
+                return (
+                    False,
+                    f"{replica.name} exited with code {code} (restartPolicy {self.job.spec.replica_specs[replica.rtype].restart_policy.value})",
+                )
             return False, None
         if self.restarts >= backoff:
             replica.exit_code = code
@@ -355,10 +379,8 @@ class LocalRun:
         end = time.monotonic() + timeout
         for replica in self.replicas.values():
             if replica.rtype in (ReplicaType.WORKER, ReplicaType.CHIEF) and replica.proc is not None:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     replica.proc.wait(timeout=max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
 
     def _stop_all(self) -> None:
         procs = [r.proc for r in self.replicas.values() if r.proc is not None and r.proc.poll() is None]
@@ -425,8 +447,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object with the result at the end")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--workdir", help="folder for logs and default checkpoints (kept)")
-    parser.add_argument("--kill", action="append", default=[], metavar="REPLICA@STEP",
-                        help="fault injection: SIGKILL a replica (e.g. ps-0) when the global step reaches STEP")
+    parser.add_argument(
+        "--kill",
+        action="append",
+        default=[],
+        metavar="REPLICA@STEP",
+        help="fault injection: SIGKILL a replica (e.g. ps-0) when the global step reaches STEP",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -435,14 +462,22 @@ def run(args: argparse.Namespace) -> int:
 
     job = load_manifest(args.file)
     console = Console(stderr=True)
-    local = LocalRun(job, workdir=Path(args.workdir) if args.workdir else None,
-                     faults=[Fault.parse(k) for k in args.kill], keep_workdir=bool(args.workdir))
+    local = LocalRun(
+        job,
+        workdir=Path(args.workdir) if args.workdir else None,
+        faults=[Fault.parse(k) for k in args.kill],
+        keep_workdir=bool(args.workdir),
+    )
     if args.no_progress or local.training is None:  # a custom program reports no steps
         result = local.run()
     else:
         columns = (
-            TextColumn(f"[bold]{job.name}[/] {local.training.consistency.mode.value}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[eps]} ex/s"), TimeElapsedColumn(),
+            TextColumn(f"[bold]{job.name}[/] {local.training.consistency.mode.value}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[eps]} ex/s"),
+            TimeElapsedColumn(),
         )
         steps = local.training.steps
         with Progress(*columns, console=console, transient=False) as bar:
@@ -451,10 +486,13 @@ def run(args: argparse.Namespace) -> int:
 
             def show(status: dict) -> None:
                 loss = status.get("loss")
-                bar.update(task, completed=min(steps, status.get("global_step", 0)),
-                           loss=f"{loss:.4f}" if loss is not None else "-",
-                           eps=f"{status.get('examples_per_second', 0):,.0f}")
-                for event in local.events[seen_events[0]:]:
+                bar.update(
+                    task,
+                    completed=min(steps, status.get("global_step", 0)),
+                    loss=f"{loss:.4f}" if loss is not None else "-",
+                    eps=f"{status.get('examples_per_second', 0):,.0f}",
+                )
+                for event in local.events[seen_events[0] :]:
                     bar.console.log(event)
                 seen_events[0] = len(local.events)
 

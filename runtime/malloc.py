@@ -7,6 +7,7 @@ faults. On loopback that fault-and-zero cost is larger than the copy itself (grp
 2.6 MiB messages, 2-core machine: ~700 MiB/s by default, ~1,140 MiB/s with these
 settings). Keeping freed blocks in the heap lets the next step reuse warm pages.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,9 +39,15 @@ def keep_large_buffers(one_arena: bool = False) -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): keep its defaults
         return False
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD),
-        *([(M_ARENA_MAX, 1)] if one_arena else [])))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (M_TOP_PAD, TOP_PAD),
+            *([(M_ARENA_MAX, 1)] if one_arena else []),
+        )
+    )
     if not ok:
         log.warning("mallopt refused a setting; large buffers keep glibc's defaults")
     return ok

@@ -12,17 +12,18 @@ worker pulls only the rows a batch touches and hands `forward` those rows with t
 feature remapped onto them, so the same `forward` serves training (rows), evaluation and
 export (whole tables).
 """
+
 from __future__ import annotations
 
 import importlib
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from . import wire
-
 
 INIT_BLOCK_ROWS = 1 << 16
 SKIP_ROWS = 1 << 10
@@ -61,7 +62,7 @@ class Param:
             # skipped ones: drawn into place, without a temporary the size of a block.
             for skip in range(lo, a, SKIP_ROWS):
                 self._draw(rng, (min(SKIP_ROWS, a - skip), *self.shape[1:]))
-            self._draw(rng, (b - a, *self.shape[1:]), out[a - start:b - start])
+            self._draw(rng, (b - a, *self.shape[1:]), out[a - start : b - start])
         return out
 
     def _draw(self, rng: np.random.Generator, shape: tuple, out: np.ndarray | None = None) -> np.ndarray:
@@ -273,7 +274,7 @@ class BatchSource:
         start = step * self.batch * self.num_workers + self.worker * self.batch
         epoch, offset = divmod(start, n)
         if offset + self.batch <= n:  # within one epoch, as most batches are
-            return self._perm(epoch)[offset:offset + self.batch].copy()
+            return self._perm(epoch)[offset : offset + self.batch].copy()
         pos = np.arange(start, start + self.batch)
         epochs = pos // n
         out = np.empty(self.batch, np.int64)

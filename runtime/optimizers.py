@@ -9,6 +9,7 @@ a consistent snapshot without a copy. Sparse gradients (embedding rows) are summ
 row and update the table and its slots in place, only those rows; Adam's rows are updated
 "lazily" (only the touched rows' moments move).
 """
+
 from __future__ import annotations
 
 import math
@@ -88,7 +89,10 @@ class ShardOptimizer:
         NumPy's sqrt of the same float64, correctly rounded both: the same float32)."""
         rate = self._rate
         if rate[0] != t:
-            rate = self._rate = (t, _F32(self.spec.learning_rate * math.sqrt(1 - self.spec.beta2 ** t) / (1 - self.spec.beta1 ** t)))
+            rate = self._rate = (
+                t,
+                _F32(self.spec.learning_rate * math.sqrt(1 - self.spec.beta2**t) / (1 - self.spec.beta1**t)),
+            )
         return rate[1]
 
     def kernel_args(self, t: int) -> tuple[int, tuple[float, float, float, float]]:
@@ -98,9 +102,16 @@ class ShardOptimizer:
             return self._kernel, (self._b1, self._b2, self._adam_rate(t), self._eps)
         return self._kernel, self._hyper
 
-    def apply_dense(self, var: np.ndarray, slots: dict[str, np.ndarray], grad: np.ndarray, t: int,
-                    plus: np.ndarray | None = None, scale: float = 1.0, check: bool = True
-                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def apply_dense(
+        self,
+        var: np.ndarray,
+        slots: dict[str, np.ndarray],
+        grad: np.ndarray,
+        t: int,
+        plus: np.ndarray | None = None,
+        scale: float = 1.0,
+        check: bool = True,
+    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One update with the gradient (grad + plus) * scale (a sync step's mean, made in the
         same pass: the other workers' sum, the last worker's gradient, 1/n); `t` (1-based) counts
         this shard's updates (Adam's bias correction). Returns the new variable and slots, written
@@ -118,16 +129,19 @@ class ShardOptimizer:
             raise NonFiniteGradient("the gradient contains NaN or Inf")
         return new, fresh
 
-    def apply_sparse(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, values: np.ndarray, t: int) -> None:
+    def apply_sparse(
+        self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, values: np.ndarray, t: int
+    ) -> None:
         """Update only `rows` (local row numbers, may repeat: repeated rows are summed) of
         `var` and its slots, in place."""
         self.apply_rows(var, slots, *sum_duplicates(rows, values), t)
 
-    def apply_rows(self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, grad: np.ndarray, t: int) -> None:
+    def apply_rows(
+        self, var: np.ndarray, slots: dict[str, np.ndarray], rows: np.ndarray, grad: np.ndarray, t: int
+    ) -> None:
         """`apply_sparse` for rows given once each (`sum_duplicates`' output): one pass over
         them in C (runtime/_rows.c: the same float operations as `apply_dense`, row by row)."""
         if grad.dtype is not _F32_DTYPE:
             grad = as_float32(grad)
         opt, hyper = self.kernel_args(t)
         _rows.update_rows(opt, hyper, self._slots, var, slots, rows, grad)
-

@@ -1,4 +1,5 @@
 """Ports for processes started on this machine's loopback (tfps local, the benchmarks)."""
+
 from __future__ import annotations
 
 import random

@@ -4,6 +4,7 @@ In a pod everything comes from the environment the operator sets (TF_CONFIG,
 TFPS_JOB_NAME, TFPS_NAMESPACE, TFPS_TRAINING, TFPS_BIND_ADDRESS, TFPS_METRICS_PORT); `tfps
 local` sets the same variables for its processes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tfps.api.naming import ENV_TRAINING, GRPC_PORT
 from tfps.api.settings import ProcessSettings
@@ -24,6 +26,7 @@ from tfps.api.spec import TrainingSpec
 from tfps.api.tfconfig import ClusterConfig
 
 from .malloc import keep_large_buffers
+
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2
 CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1: cpu.cfs_quota_us and cpu.cfs_period_us
 
@@ -54,7 +57,7 @@ class ProcessConfig:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "ProcessConfig":
+    def from_env(cls, env: dict[str, str] | None = None) -> ProcessConfig:
         settings = ProcessSettings.from_env(env)
         if settings.training is None:
             raise ValueError(f"{ENV_TRAINING} is not set: the built-in runtime needs spec.training")
@@ -79,7 +82,12 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
-        entry = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)), "level": record.levelname.lower(), "logger": record.name, **self.fixed}
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            **self.fixed,
+        }
         try:
             parsed = json.loads(msg)
         except ValueError:
@@ -152,9 +160,16 @@ def configure_threads(tensorflow: bool = True) -> int | None:
 
         tf.config.threading.set_intra_op_parallelism_threads(count)
         tf.config.threading.set_inter_op_parallelism_threads(count)
-    logging.getLogger("tfps.process").info(json.dumps({
-        "event": "threads", "threads": count, "source": "env" if threads else ("cgroup" if count else "default"),
-        "tensorflow": tensorflow}))
+    logging.getLogger("tfps.process").info(
+        json.dumps(
+            {
+                "event": "threads",
+                "threads": count,
+                "source": "env" if threads else ("cgroup" if count else "default"),
+                "tensorflow": tensorflow,
+            }
+        )
+    )
     return count
 
 
@@ -201,8 +216,9 @@ def add_pod_arguments(parser: argparse.ArgumentParser, bind_help: str) -> None:
     parser.add_argument("--metrics-port", type=int, help="Prometheus port (default: $TFPS_METRICS_PORT or 9090)")
 
 
-def start_pod_process(command: str, security_from_env: Callable[[bool], Any], tensorflow: bool = True,
-                      one_arena: bool = False) -> "tuple[ProcessConfig, Any] | None":
+def start_pod_process(
+    command: str, security_from_env: Callable[[bool], Any], tensorflow: bool = True, one_arena: bool = False
+) -> tuple[ProcessConfig, Any] | None:
     """The pod's config and its security (`security_from_env(tls)`), with logging set up to name
     the job and replica, its scheduling and malloc settings (`tune_process`) and its CPUs logged
     (with `tensorflow`, TensorFlow's threads sized to them); None, with the reason logged or on
@@ -220,7 +236,9 @@ def start_pod_process(command: str, security_from_env: Callable[[bool], Any], te
     try:
         security = security_from_env(cfg.training.tls)
     except SecurityError as err:
-        logging.getLogger(f"tfps.{command}").error(json.dumps({"event": "failed", command: cfg.cluster.task_index, "detail": str(err)}))
+        logging.getLogger(f"tfps.{command}").error(
+            json.dumps({"event": "failed", command: cfg.cluster.task_index, "detail": str(err)})
+        )
         return None
     logging.getLogger("tfps.process").info(json.dumps({"event": "scheduling", "policy": policy}))
     configure_threads(tensorflow)

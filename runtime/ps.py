@@ -15,6 +15,7 @@ one round trip per shard. Messages over wire.UNARY_MAX_BYTES use the streaming t
 their requests say so (`workers`) and the PS makes room for them; replies tell workers how
 many slices to cut each global batch into (up to the highest live worker).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,10 @@ import numpy as np
 from tfps.api.spec import ConsistencyMode, TrainingSpec
 
 from . import _rows, health, wire
-from .checkpoint import RowSnapshot, ShardCheckpoints, load_rows
-from .consistency import Consistency, Push, Update
 from .auth import ServerSecurity
 from .bfloat16 import narrowed
+from .checkpoint import RowSnapshot, ShardCheckpoints, load_rows
+from .consistency import Consistency, Push, Update
 from .datapath import DataServer, split_host
 from .metrics import WARM_UP_ONE_IN, PSMetrics
 from .models import Param
@@ -98,7 +99,9 @@ class Shard:
         self.parts = {p.name: p for p in parts}
         self.num_ps = num_ps
         self._params = list(params.values())
-        self.consistency = Consistency(self.mode, training.consistency.staleness, num_workers, worker_timeout, startup_grace)
+        self.consistency = Consistency(
+            self.mode, training.consistency.staleness, num_workers, worker_timeout, startup_grace
+        )
         self.max_request_bytes = wire.MAX_MESSAGE_BYTES  # streamed requests too (unary: gRPC's limit)
         self.optimizer = ShardOptimizer(training.optimizer)
         self._wire_dtype = wire.dtype(training.wire_dtype.value)  # of the dense parameters it sends
@@ -107,8 +110,11 @@ class Shard:
         self.version = 0
         self.examples = 0
         self.loss: float | None = None
-        self.checkpoints = (ShardCheckpoints(checkpoint_root, index, metrics, training.checkpoint.every_steps, self.steps)
-                            if checkpoint_root else None)
+        self.checkpoints = (
+            ShardCheckpoints(checkpoint_root, index, metrics, training.checkpoint.every_steps, self.steps)
+            if checkpoint_root
+            else None
+        )
         self._warm: tuple[float, int] | None = None  # (time, examples) once past warm-up
         self._last_rate = 0.0
         self._shared_reply: tuple = (-1, False, b"")
@@ -131,8 +137,11 @@ class Shard:
                 for kind, suffix in enumerate((":indices", ":values", ":rows"), start=1):
                     self._layout[part.name + suffix] = (kind, part.name, tuple(part.shape))
         # An async push of the usual shape is applied and answered in one C call (`_apply_and_answer`)
-        self._one_call = self.mode is ConsistencyMode.ASYNC and self._wire_dtype == np.float32 and all(
-            part.sparse or (len(part.shape) and math.prod(part.shape)) for part in parts)
+        self._one_call = (
+            self.mode is ConsistencyMode.ASYNC
+            and self._wire_dtype == np.float32
+            and all(part.sparse or (len(part.shape) and math.prod(part.shape)) for part in parts)
+        )
         self._dense_names = tuple(part.name for part in parts if not part.sparse)
         self._restore()
         self._publish()
@@ -192,9 +201,16 @@ class Shard:
             worker = int(meta.get("worker", -1))
             loss = meta.get("loss")
             loss = None if loss is None else float(loss)
-            push = Push(worker, int(meta.get("tag", -1)), int(meta.get("batch", 0)), loss,
-                        None if meta.get("seq") is None else int(meta["seq"]))
-            req = _Request(push, bool(meta.get("pull", True)), int(meta.get("min_version", 0)), bool(meta.get("dense", True)))
+            push = Push(
+                worker,
+                int(meta.get("tag", -1)),
+                int(meta.get("batch", 0)),
+                loss,
+                None if meta.get("seq") is None else int(meta["seq"]),
+            )
+            req = _Request(
+                push, bool(meta.get("pull", True)), int(meta.get("min_version", 0)), bool(meta.get("dense", True))
+            )
             # the cluster size in the worker's TF_CONFIG: larger than this PS's after a scale-up
             claimed = min(int(meta.get("workers", self.consistency.num_workers)), MAX_WORKERS)
         except (TypeError, ValueError) as err:
@@ -244,7 +260,9 @@ class Shard:
             raise Rejected("out_of_range", f"{name!r}: row index outside 0..{part.shape[0] - 1}") from None
 
     @staticmethod
-    def _check_values(name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = ("float32",), finite: bool = True) -> None:
+    def _check_values(
+        name: str, arr: np.ndarray, shape: tuple, dtypes: tuple = ("float32",), finite: bool = True
+    ) -> None:
         if wire.dtype_name(arr.dtype) not in dtypes:
             raise Rejected("wrong_dtype", f"{name!r}: expected {' or '.join(dtypes)}, got {arr.dtype}")
         if tuple(arr.shape) != tuple(shape):
@@ -269,9 +287,12 @@ class Shard:
         t0 = time.perf_counter()
         t = self.version + 1
         if dense is None:  # a sync step: each gradient was checked on arrival
-            dense = {name: self.optimizer.apply_dense(self.vars[name], self.slots[name], grad, t, update.plus.get(name),
-                                                      update.scale, check=False)
-                     for name, grad in update.dense.items()}
+            dense = {
+                name: self.optimizer.apply_dense(
+                    self.vars[name], self.slots[name], grad, t, update.plus.get(name), update.scale, check=False
+                )
+                for name, grad in update.dense.items()
+            }
         for name, (var, slots) in dense.items():
             self.vars[name] = var
             self.slots[name].update(slots)
@@ -339,8 +360,13 @@ class Shard:
             return max(target, req.push.tag + 1), False
         # A sync worker waiting for a step its push never reached, or that this PS lost by
         # restarting (accumulated pushes are not checkpointed): stale, so it recomputes.
-        stale = (self.mode is ConsistencyMode.SYNC and req.pull and target > self.version
-                 and req.worker not in self.consistency.pushed and not self.done)
+        stale = (
+            self.mode is ConsistencyMode.SYNC
+            and req.pull
+            and target > self.version
+            and req.worker not in self.consistency.pushed
+            and not self.done
+        )
         return target, stale
 
     def _wait(self, req: _Request, target: int) -> bool:
@@ -358,16 +384,31 @@ class Shard:
 
     def _reply_meta(self, version: int, clock: int, stale: bool = False, pending: bool = False) -> dict:
         """A Step reply's meta, at `version` of this shard and the worker's `clock`."""
-        return {"version": version, "done": version >= self.steps, "workers": self.consistency.split_size(), "clock": clock,
-                "incarnation": self.incarnation, "stale": stale, "pending": pending}
+        return {
+            "version": version,
+            "done": version >= self.steps,
+            "workers": self.consistency.split_size(),
+            "clock": clock,
+            "incarnation": self.incarnation,
+            "stale": stale,
+            "pending": pending,
+        }
 
     def _in_one_call(self, req: _Request, encoding: str) -> bool:
         """Whether `_apply_and_answer` takes this request: an async push of the usual shape, asking
         for the dense parameters back, with no checkpoint reading the tables (its RowSnapshots keep
         the rows an update changes) and not a retry of one applied before."""
-        return (self._one_call and encoding == "pieces" and req.checked and req.has_grads and req.pull and req.want_dense
-                and not self.done and not self.consistency.applied(req.push)
-                and not any(self._reading(name) for name in req.push.sparse))
+        return (
+            self._one_call
+            and encoding == "pieces"
+            and req.checked
+            and req.has_grads
+            and req.pull
+            and req.want_dense
+            and not self.done
+            and not self.consistency.applied(req.push)
+            and not any(self._reading(name) for name in req.push.sparse)
+        )
 
     def _apply_and_answer(self, req: _Request) -> tuple[list, int]:
         """An async push applied and its reply encoded in one C call (_rows.apply_async): the
@@ -378,8 +419,18 @@ class Shard:
         meta = self._reply_meta(t, self.clocks[push.worker] + 1)  # as they will be once the push is applied
         t0 = time.perf_counter()
         opt, hyper = self.optimizer.kernel_args(t)
-        out = _rows.apply_async(opt, hyper, self.optimizer.slot_names(), self.vars, self.slots, push.dense, push.sparse,
-                                req.rows, self._dense_names, wire.json_dumps(meta))
+        out = _rows.apply_async(
+            opt,
+            hyper,
+            self.optimizer.slot_names(),
+            self.vars,
+            self.slots,
+            push.dense,
+            push.sparse,
+            req.rows,
+            self._dense_names,
+            wire.json_dumps(meta),
+        )
         if isinstance(out, str):
             raise Rejected("non_finite", f"{out!r}: gradient contains NaN or Inf")
         self._applied(self.consistency.push_async(push, self.version), t0)
@@ -406,7 +457,9 @@ class Shard:
             finally:
                 self.consistency.keep(req.worker)  # a sync push the step has not taken outlives its request's buffer
             # In sync mode every worker gets the same reply for a version: encode it once.
-            shared = self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
+            shared = (
+                self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
+            )
             if shared and self._shared_reply[:2] == (self.version, encoding):
                 out = self._shared_reply[2]
                 self._count(self.metrics.bytes_out, _size(out))
@@ -508,8 +561,9 @@ class Shard:
     def _restore(self) -> None:
         if not self.checkpoints:
             return
-        msg = self.checkpoints.load(list(self.parts.values()), self.optimizer.name.value, self.num_ps,
-                                    lambda n: place(self._params, n))
+        msg = self.checkpoints.load(
+            list(self.parts.values()), self.optimizer.name.value, self.num_ps, lambda n: place(self._params, n)
+        )
         if msg is None:
             return
         for name, var in self.vars.items():
@@ -543,9 +597,11 @@ def _size(out: bytes | list) -> int:
 
 def _refuser(shard: Shard):
     """Counts and logs a refused request (either transport)."""
+
     def refused(reason: str, detail: str) -> None:
         shard.metrics.rejected.labels(reason=reason).inc()
         log.warning(json.dumps({"event": "rejected", "ps": shard.index, "reason": reason, "detail": detail}))
+
     return refused
 
 
@@ -580,9 +636,20 @@ def _handlers(shard: Shard, data_port: int | None, refused) -> grpc.GenericRpcHa
         step = shard.checkpoint_now()
         return json.dumps({"checkpoint_step": step, **shard.status()}).encode()
 
-    implementations = {"Step": step, "StepStream": step_stream, "PullFull": pull_full, "Status": status, "Finish": finish}
-    return grpc.method_handlers_generic_handler(SERVICE, {
-        name: getattr(grpc, f"{shape}_rpc_method_handler")(implementations[name]) for name, shape in wire.METHODS.items()})
+    implementations = {
+        "Step": step,
+        "StepStream": step_stream,
+        "PullFull": pull_full,
+        "Status": status,
+        "Finish": finish,
+    }
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            name: getattr(grpc, f"{shape}_rpc_method_handler")(implementations[name])
+            for name, shape in wire.METHODS.items()
+        },
+    )
 
 
 class PSServer:
@@ -601,8 +668,9 @@ class PSServer:
         return self.grpc.stop(grace)
 
 
-def serve(shard: Shard, address: str, max_workers: int = 16, security: ServerSecurity | None = None,
-          data_port: int | None = 0) -> tuple[PSServer, int]:
+def serve(
+    shard: Shard, address: str, max_workers: int = 16, security: ServerSecurity | None = None, data_port: int | None = 0
+) -> tuple[PSServer, int]:
     """Start the gRPC server for `shard` on `address` (host:port), and its data path on
     `data_port` of the same host (0: any free port; None: no data path, Steps over gRPC
     only); returns them and the bound gRPC port. Without `security` both are open and
@@ -611,9 +679,14 @@ def serve(shard: Shard, address: str, max_workers: int = 16, security: ServerSec
     refused, data = _refuser(shard), None
     if data_port is not None:
         data = DataServer(shard, split_host(address), data_port, security.material, refused)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"), options=GRPC_OPTIONS,
-                         interceptors=security.interceptors(shard.metrics, shard.index))
-    server.add_generic_rpc_handlers((_handlers(shard, data.port if data else None, refused), health.handler(("", SERVICE))))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ps-rpc"),
+        options=GRPC_OPTIONS,
+        interceptors=security.interceptors(shard.metrics, shard.index),
+    )
+    server.add_generic_rpc_handlers(
+        (_handlers(shard, data.port if data else None, refused), health.handler(("", SERVICE)))
+    )
     port = security.add_port(server, address)
     if port == 0:
         if data is not None:

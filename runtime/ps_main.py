@@ -2,6 +2,7 @@
 
 Serves its shard until SIGTERM, then stops gracefully, writes a last checkpoint and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,13 +54,22 @@ def run(args: argparse.Namespace) -> int:
     )
     server, port = serve(shard, cfg.listen_address(cfg.own_port), security=security, data_port=cfg.data_port)
     freeze_startup_objects()
-    log.info(json.dumps({
-        "event": "serving", "address": cfg.listen_address(port), "data_port": server.data_port, "metrics_port": metrics_port,
-        "step": shard.version,
-        "parts": len(plan.for_ps(index)), "parameters": sum(p.size for p in plan.for_ps(index)),
-        "mode": cfg.training.consistency.mode.value,
-        "auth": security.material is not None, "tls": cfg.training.tls,
-    }))
+    log.info(
+        json.dumps(
+            {
+                "event": "serving",
+                "address": cfg.listen_address(port),
+                "data_port": server.data_port,
+                "metrics_port": metrics_port,
+                "step": shard.version,
+                "parts": len(plan.for_ps(index)),
+                "parameters": sum(p.size for p in plan.for_ps(index)),
+                "mode": cfg.training.consistency.mode.value,
+                "auth": security.material is not None,
+                "tls": cfg.training.tls,
+            }
+        )
+    )
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

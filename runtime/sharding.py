@@ -8,6 +8,7 @@ parameter shapes and the number of PS, so nothing needs to be agreed over the wi
 A worker routes each batch's table ids to the PS that hold their rows, each id once (`batch_ids`,
 `route_rows`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ class Placement:
             out.setdefault(part.var, []).append(part)
         return out
 
-    def split_push(self, dense_vars: list[str], grads: dict[str, np.ndarray], routes: dict) -> list[dict[str, np.ndarray]]:
+    def split_push(
+        self, dense_vars: list[str], grads: dict[str, np.ndarray], routes: dict
+    ) -> list[dict[str, np.ndarray]]:
         """Per PS, the gradients of a worker's push, as its Step carries them: each dense
         variable's (`dense_vars`, in the model's order; a slice per part where it is split), then
         each table part's pushed rows, as local indices and their gradients' rows (`routes`: per
@@ -68,12 +71,12 @@ class Placement:
         for name in dense_vars:
             grad, parts = grads[name], self.parts_of(name)
             for part in parts:
-                out[part.ps][part.name] = grad if len(parts) == 1 else grad[part.start:part.stop]
+                out[part.ps][part.name] = grad if len(parts) == 1 else grad[part.start : part.stop]
         for name, table_routes in routes.items():
             grad = grads[name]
             for part, positions, local in table_routes:
                 out[part.ps][f"{part.name}:indices"] = local.astype(np.int64, copy=False)
-                out[part.ps][f"{part.name}:values"] = grad[positions[0]:positions[-1] + 1]
+                out[part.ps][f"{part.name}:values"] = grad[positions[0] : positions[-1] + 1]
         return out
 
     def rows_asked(self, routes: dict) -> list[dict[str, np.ndarray]]:
@@ -129,9 +132,14 @@ def initial_part(part: Part, param: Param, seed: int) -> np.ndarray:
 def route_rows(parts: list[Part], ids: np.ndarray) -> list[tuple[Part, range, np.ndarray]]:
     """Split sorted unique ids of one sparse parameter by part (`parts` in row order, as
     `Placement.parts_of` gives them): (part, positions in ids, local rows) for each part with ids."""
-    bounds = np.searchsorted(ids, [row for part in parts for row in (part.start, part.stop)]).tolist()  # one call for all
-    return [(part, range(lo, hi), ids[lo:hi] - part.start)
-            for part, lo, hi in zip(parts, bounds[::2], bounds[1::2], strict=True) if hi > lo]
+    bounds = np.searchsorted(
+        ids, [row for part in parts for row in (part.start, part.stop)]
+    ).tolist()  # one call for all
+    return [
+        (part, range(lo, hi), ids[lo:hi] - part.start)
+        for part, lo, hi in zip(parts, bounds[::2], bounds[1::2], strict=True)
+        if hi > lo
+    ]
 
 
 def batch_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -146,4 +154,4 @@ def batch_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         inverse[...] = found.reshape(ids.shape)
         return uniq, inverse
     uniq = np.empty(len(flat), np.int64)
-    return uniq[:_unique(flat, uniq, inverse)], inverse
+    return uniq[: _unique(flat, uniq, inverse)], inverse

@@ -13,13 +13,14 @@ received into an aligned buffer (`aligned_empty`) hands TensorFlow tensors it ca
 received bytes. Messages larger than UNARY_MAX_BYTES travel as a gRPC stream of CHUNK_BYTES
 chunks (see `encode_chunks` / `join`).
 """
+
 from __future__ import annotations
 
 import ctypes
 import math
 import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import numpy as np
 import orjson
@@ -41,7 +42,8 @@ json_loads = orjson.loads  # the header's parser, here and in _rows.parse_reques
 # bytes and the same header as below: a worker's push of 12 tensors framed in 11 µs instead of 17, the
 # header of one of 12 read in 7 instead of 31 (both a step: about 45 µs of a 2M-row worker's ~2 ms).
 try:
-    from ._rows import encode_message as _encode_in_c, read_header as _read_header_in_c
+    from ._rows import encode_message as _encode_in_c
+    from ._rows import read_header as _read_header_in_c
 except ImportError:  # the package built without its C kernels (runtime/_rows.c)
     _encode_in_c = _read_header_in_c = None
 
@@ -65,6 +67,8 @@ METHODS = {
 
 def method_path(name: str) -> str:
     return f"/{SERVICE}/{name}"
+
+
 POLL_SECONDS = 2.0  # longest a Step waits before answering "pending" (the worker re-asks)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -168,7 +172,7 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     """An uninitialised uint8 buffer starting on an `align` boundary."""
     raw = np.empty(nbytes + align, np.uint8)
     start = -address(raw) % align
-    return raw[start:start + nbytes]
+    return raw[start : start + nbytes]
 
 
 def aligned_array(shape: tuple, dtype) -> np.ndarray:
@@ -232,7 +236,7 @@ def _header_in_python(view: memoryview, total: int) -> tuple[dict, list[tuple[st
     if start > min(len(view), total):
         raise WireError("truncated", f"header of {hlen} bytes exceeds message of {total} bytes")
     try:
-        head = json_loads(view[HEADER_LENGTH.size:start])
+        head = json_loads(view[HEADER_LENGTH.size : start])
         meta, entries, align = head["meta"], head["tensors"], head.get("align", 1)
         if not isinstance(meta, dict) or not isinstance(entries, list):
             raise TypeError("meta must be an object and tensors a list")
@@ -250,7 +254,9 @@ def _header_in_python(view: memoryview, total: int) -> tuple[dict, list[tuple[st
         except (KeyError, ValueError, TypeError):
             raise WireError("wrong_dtype", f"tensor entry {entry!r}: unsupported dtype or bad entry") from None
         if nbytes != math.prod(shape) * dt.itemsize or (shape and min(shape) < 0):
-            raise WireError("wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {wire_name}")
+            raise WireError(
+                "wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {wire_name}"
+            )
         offset += -offset % align
         if offset + nbytes > total:
             raise WireError("truncated", f"tensor {name!r}: payload ends {offset + nbytes - total} bytes early")
@@ -280,4 +286,4 @@ def iter_chunks(data: bytes, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
         return
     view = memoryview(data)
     for i in range(0, len(view), chunk):
-        yield bytes(view[i:i + chunk])
+        yield bytes(view[i : i + chunk])

@@ -6,6 +6,7 @@ next batch needs), so communication costs one round trip per step. Workers never
 each other. Worker 0 evaluates the test split at the end, exports the model when
 spec.training.exportPath is set, and asks every PS to write its final checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,6 @@ except ImportError:  # the package built without its C kernels (runtime/_rows.c)
 log = logging.getLogger("tfps.worker")
 
 
-
 def use_gpu_memory_growth() -> list:
     gpus = tf.config.list_physical_devices("GPU")
     for gpu in gpus:
@@ -48,7 +48,11 @@ def use_gpu_memory_growth() -> list:
 def loss_fn(kind: str, logits, y):
     if kind == "softmax":
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-    return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=tf.reshape(tf.cast(y, logits.dtype), tf.shape(logits)), logits=logits))
+    return tf.reduce_mean(
+        tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=tf.reshape(tf.cast(y, logits.dtype), tf.shape(logits)), logits=logits
+        )
+    )
 
 
 def make_grad_fn(model: ModelDef, wire_dtype: WireDtype = WireDtype.FLOAT32):
@@ -97,12 +101,21 @@ def make_grad_fn(model: ModelDef, wire_dtype: WireDtype = WireDtype.FLOAT32):
     concrete: dict = {}
 
     def grad_fn(params, x, y):
-        key = (tuple((k, v.dtype) for k, v in params.items()), tuple((k, v.dtype, v.shape.rank) for k, v in x.items()),
-               y.dtype, y.shape.rank)
+        key = (
+            tuple((k, v.dtype) for k, v in params.items()),
+            tuple((k, v.dtype, v.shape.rank) for k, v in x.items()),
+            y.dtype,
+            y.shape.rank,
+        )
         fn = concrete.get(key)
         if fn is None:
-            fn = concrete[key] = flat_call(traced.get_concrete_function(
-                {k: spec(v, k not in sparse) for k, v in params.items()}, {k: spec(v, False) for k, v in x.items()}, spec(y, False)))
+            fn = concrete[key] = flat_call(
+                traced.get_concrete_function(
+                    {k: spec(v, k not in sparse) for k, v in params.items()},
+                    {k: spec(v, False) for k, v in x.items()},
+                    spec(y, False),
+                )
+            )
         loss, grads = fn(params, x, y)
         for k, g in grads.items():
             if type(g) is tuple:  # (values, indices): `table_gradient`
@@ -174,7 +187,9 @@ PLANS_KEPT = 3  # batch plans kept around the current data step (a pipelined wor
 
 def _aligned_concat(pieces: list[np.ndarray]) -> np.ndarray:
     """np.concatenate into an aligned buffer, which TensorFlow then uses in place (zerocopy.as_tensor)."""
-    return np.concatenate(pieces, out=wire.aligned_array((sum(len(p) for p in pieces), *pieces[0].shape[1:]), pieces[0].dtype))
+    return np.concatenate(
+        pieces, out=wire.aligned_array((sum(len(p) for p in pieces), *pieces[0].shape[1:]), pieces[0].dtype)
+    )
 
 
 class _JoinedParams:
@@ -191,7 +206,9 @@ class _JoinedParams:
         self._pools = {name: ReplyBuffers() for name in split}
         self._arrays: dict[str, np.ndarray] = {}  # per variable or table, its array in the exchange under way
         self._slices: dict[str, np.ndarray] = {}  # per part, the rows of it handed out
-        self._row_places: dict[str, tuple[str, int, int, int]] = {}  # "<part>:rows" -> (table, start, stop, rows in all)
+        self._row_places: dict[
+            str, tuple[str, int, int, int]
+        ] = {}  # "<part>:rows" -> (table, start, stop, rows in all)
 
     def place(self, routes: dict | None = None):
         """A `place` for the replies of a new exchange (the arrays of the one before are let go);
@@ -219,10 +236,12 @@ class _JoinedParams:
             buf = self._pools[var].take(math.prod(whole) * dtype.itemsize)
             # a view of a memoryview of `buf` itself, so that while it lives it refers to `buf`
             arr = self._arrays[var] = np.frombuffer(memoryview(buf), dtype).reshape(whole)
-        self._slices[name] = rows = arr[part.start:part.stop]
+        self._slices[name] = rows = arr[part.start : part.stop]
         return rows
 
-    def _place_rows(self, name: str, dtype: np.dtype, shape: tuple, table: str, start: int, stop: int, total: int) -> np.ndarray | None:
+    def _place_rows(
+        self, name: str, dtype: np.dtype, shape: tuple, table: str, start: int, stop: int, total: int
+    ) -> np.ndarray | None:
         if len(shape) != 2 or shape[0] != stop - start:
             return None
         arr = self._arrays.get(table)
@@ -280,15 +299,25 @@ class Worker:
         self.num_workers, self.metrics = num_workers, metrics
         self.mode = training.consistency.mode
         self.plan: Placement = place(model.params, len(ps_addresses))
-        self.clients = [ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc, security=security) for k, a in enumerate(ps_addresses)]
-        self.pool = futures.ThreadPoolExecutor(len(self.clients) - 1, thread_name_prefix="push") if len(self.clients) > 1 else None
+        self.clients = [
+            ShardClient(a, k, retry_seconds, on_retry=metrics.retries.inc, security=security)
+            for k, a in enumerate(ps_addresses)
+        ]
+        self.pool = (
+            futures.ThreadPoolExecutor(len(self.clients) - 1, thread_name_prefix="push")
+            if len(self.clients) > 1
+            else None
+        )
         self.train, self.test = model.data()
         self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)
         self.grad_fn = make_grad_fn(model, training.wire_dtype)
         self.sparse = {p.name: p for p in model.sparse_params}
         # Tables over one feature whose parts split the rows alike (wide-deep's two) route a
         # batch's ids alike: `_sparse_plan` routes them once.
-        self._splits = {name: (p.feature, tuple((q.start, q.stop) for q in self.plan.parts_of(name))) for name, p in self.sparse.items()}
+        self._splits = {
+            name: (p.feature, tuple((q.start, q.stop) for q in self.plan.parts_of(name)))
+            for name, p in self.sparse.items()
+        }
         self.dense_vars = [p.name for p in model.params if not p.sparse]
         self._joined = _JoinedParams(self.plan, self.dense_vars)
         self._large = [
@@ -324,7 +353,9 @@ class Worker:
         return [first, *(f.result() for f in rest)]
 
     def _call(self, k: int, meta: dict, tensors: dict) -> _Reply:
-        return self._reply(self.clients[k].step({"worker": self.index, "workers": self.num_workers, **meta}, tensors, self._large[k]))
+        return self._reply(
+            self.clients[k].step({"worker": self.index, "workers": self.num_workers, **meta}, tensors, self._large[k])
+        )
 
     def _call_all(self, metas: list[dict], tensors: list[dict]) -> list[_Reply]:
         """One Step to every shard: over their data connections at once, the rest in parallel."""
@@ -340,15 +371,25 @@ class Worker:
         """The replies of a Step to every shard: those the data paths did not bring, asked for again
         through each shard's client (gRPC, retries), in parallel."""
         missing = [k for k, msg in enumerate(msgs) if msg is None]
-        for k, msg in zip(missing, self._map(lambda k: self.clients[k].step(metas[k], tensors[k], self._large[k]), [(k,) for k in missing]),
-                          strict=True):
+        for k, msg in zip(
+            missing,
+            self._map(lambda k: self.clients[k].step(metas[k], tensors[k], self._large[k]), [(k,) for k in missing]),
+            strict=True,
+        ):
             msgs[k] = msg
         return [self._reply(msg) for msg in msgs]
 
     def _reply(self, msg: wire.Message) -> _Reply:
         m = msg.meta
-        return _Reply(int(m["version"]), bool(m["done"]), int(m.get("clock", 0)), bool(m.get("stale")), bool(m.get("pending")), msg,
-                      int(m.get("workers", self.num_workers)))
+        return _Reply(
+            int(m["version"]),
+            bool(m["done"]),
+            int(m.get("clock", 0)),
+            bool(m.get("stale")),
+            bool(m.get("pending")),
+            msg,
+            int(m.get("workers", self.num_workers)),
+        )
 
     # ---- the batch's sparse rows ----
     def _sparse_plan(self, x: dict) -> tuple[dict, list[dict], dict]:
@@ -398,7 +439,9 @@ class Worker:
                 return out
             t0 = time.perf_counter()
             for k in waiting:
-                min_version = sent_tags[k] + 1 if sent_tags and self.mode is ConsistencyMode.SYNC and not out[k].stale else 0
+                min_version = (
+                    sent_tags[k] + 1 if sent_tags and self.mode is ConsistencyMode.SYNC and not out[k].stale else 0
+                )
                 out[k] = self._call(k, {"tag": -1, "pull": True, "min_version": min_version}, row_requests[k])
             self.metrics.pull_seconds.observe(time.perf_counter() - t0)
 
@@ -426,7 +469,11 @@ class Worker:
 
     def _pull_rows(self, row_requests: list[dict]) -> list:
         t0 = time.perf_counter()
-        replies = {k: self._call(k, {"tag": -1, "pull": True, "dense": False}, req) for k, req in enumerate(row_requests) if req}
+        replies = {
+            k: self._call(k, {"tag": -1, "pull": True, "dense": False}, req)
+            for k, req in enumerate(row_requests)
+            if req
+        }
         self.metrics.pull_seconds.observe(time.perf_counter() - t0)
         return [replies.get(k) for k in range(len(self.clients))]
 
@@ -458,20 +505,24 @@ class Worker:
         self.metrics.compute_seconds.observe(time.perf_counter() - t0)
         return loss, grads, routes, len(y)
 
-    def _send(self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict],
-              routes: dict) -> _InFlight:
+    def _send(
+        self, tags: list[int], shard_tensors: list[dict], meta: dict, row_requests: list[dict], routes: dict
+    ) -> _InFlight:
         """Push to every shard; the replies (`_finish`) carry the next parameters. In async and
         bounded mode each push carries its sequence number, so that a retry whose first try was
         applied is not applied twice."""
         t0 = time.perf_counter()
         seqs = None if self.mode is ConsistencyMode.SYNC else list(self.shard_clocks)
         tensors = [{**shard_tensors[k], **row_requests[k]} for k in range(len(self.clients))]
-        metas, sent = self._send_all([{**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})} for k in range(len(self.clients))],
-                                     tensors)
+        metas, sent = self._send_all(
+            [{**meta, "tag": tags[k], **({"seq": seqs[k]} if seqs else {})} for k in range(len(self.clients))], tensors
+        )
         return _InFlight(t0, tags, metas, tensors, row_requests, routes, sent)
 
     def _finish(self, inflight: _InFlight) -> list[_Reply]:
-        replies = self._complete(inflight.sent.replies(self._joined.place(inflight.routes)), inflight.metas, inflight.tensors)
+        replies = self._complete(
+            inflight.sent.replies(self._joined.place(inflight.routes)), inflight.metas, inflight.tensors
+        )
         replies = self._absorb(replies, inflight.tags, inflight.row_requests)
         self.metrics.push_seconds.observe(time.perf_counter() - inflight.started)
         return replies
@@ -494,9 +545,16 @@ class Worker:
         next_requests, next_routes = [dict() for _ in self.clients], {}
         if self.sparse:
             _, _, next_requests, next_routes = self._batch_plan(step + 1)
-        inflight = self._send(list(self.versions), self.plan.split_push(self.dense_vars, grads, routes), {"pull": True, "batch": batch, "loss": loss},
-                              next_requests, next_routes)
-        if not self.sparse:  # the next batch is made while the PS closes the step (with tables it was made before, for its rows)
+        inflight = self._send(
+            list(self.versions),
+            self.plan.split_push(self.dense_vars, grads, routes),
+            {"pull": True, "batch": batch, "loss": loss},
+            next_requests,
+            next_routes,
+        )
+        if (
+            not self.sparse
+        ):  # the next batch is made while the PS closes the step (with tables it was made before, for its rows)
             self._batch_plan(step + 1)
         replies = self._finish(inflight)
         self._update_state(replies)
@@ -535,15 +593,25 @@ class Worker:
             requests, routes_ahead = [dict() for _ in self.clients], {}
             if self.sparse:
                 _, _, requests, routes_ahead = self._batch_plan(step + 2)
-            inflight = (self._send(tags, self.plan.split_push(self.dense_vars, grads, routes), {"pull": True, "batch": batch, "loss": loss}, requests,
-                                   routes_ahead), step + 2)
+            inflight = (
+                self._send(
+                    tags,
+                    self.plan.split_push(self.dense_vars, grads, routes),
+                    {"pull": True, "batch": batch, "loss": loss},
+                    requests,
+                    routes_ahead,
+                ),
+                step + 2,
+            )
             step += 1
             self._count(loss, batch, t_step)
 
     def run(self) -> None:
         """Train until the PS reports the job's step count reached."""
         self.pull()
-        log.info(json.dumps({"event": "joined", "worker": self.index, "step": self.versions[0], "mode": self.mode.value}))
+        log.info(
+            json.dumps({"event": "joined", "worker": self.index, "step": self.versions[0], "mode": self.mode.value})
+        )
         if self.pipeline:
             self._run_pipelined()
         while not self.done:
@@ -554,24 +622,36 @@ class Worker:
         replies = self._map(lambda k: self.clients[k].pull_full(), [(k,) for k in range(len(self.clients))])
         out = {}
         for p in self.model.params:
-            pieces = [replies[part.ps].tensors[part.name] for part in sorted(self.plan.parts_of(p.name), key=lambda q: q.start)]
+            pieces = [
+                replies[part.ps].tensors[part.name]
+                for part in sorted(self.plan.parts_of(p.name), key=lambda q: q.start)
+            ]
             out[p.name] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return out
 
     def step_summary(self) -> dict | None:
         """This worker's step times after the first tenth of its steps (start-up, tracing)."""
-        times = self.step_times[max(2, len(self.step_times) // WARM_UP_ONE_IN):]
+        times = self.step_times[max(2, len(self.step_times) // WARM_UP_ONE_IN) :]
         if not times:
             return None
-        return {"steps": len(times), "median": float(np.median(times)), "p99": float(np.percentile(times, 99)),
-                "max": float(np.max(times))}
+        return {
+            "steps": len(times),
+            "median": float(np.median(times)),
+            "p99": float(np.percentile(times, 99)),
+            "max": float(np.max(times)),
+        }
 
     def finish(self, export_path: str | None = None) -> dict:
         evaluate_now = self.test is not None and len(self.test) > 0
         # the whole model (embedding tables too) comes over only when something needs it
         params = self.full_params() if evaluate_now or export_path else {}
-        result = {"worker": self.index, "steps": self.versions[0], "loss": self.last_loss, "accuracy": None,
-                  "step_seconds": self.step_summary()}
+        result = {
+            "worker": self.index,
+            "steps": self.versions[0],
+            "loss": self.last_loss,
+            "accuracy": None,
+            "step_seconds": self.step_summary(),
+        }
         if evaluate_now:
             result.update(evaluate(self.model, params, self.test))
             self.metrics.eval_accuracy.set(result["accuracy"])

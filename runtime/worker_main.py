@@ -4,6 +4,7 @@ Exits 0 once the job's step count is reached (worker 0 after evaluating, exporti
 spec.training.exportPath is set, and asking every PS for a final checkpoint); non-zero on a
 fatal error (a PS unreachable for longer than the retry window, a refused request).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,16 +41,34 @@ def run(args: argparse.Namespace) -> int:
     metrics.serve(args.metrics_port or cfg.metrics_port, args.bind or cfg.bind_address)
     model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
     worker = Worker(
-        model, cfg.training, cfg.cluster.ps, max(1, len(cfg.cluster.workers)), index, metrics,
+        model,
+        cfg.training,
+        cfg.cluster.ps,
+        max(1, len(cfg.cluster.workers)),
+        index,
+        metrics,
         retry_seconds=cfg.settings.ps_retry_seconds,
         security=security,
     )
     freeze_startup_objects()
-    log.info(json.dumps({"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}))
+    log.info(
+        json.dumps(
+            {"event": "starting", "worker": index, "ps": cfg.cluster.ps, "gpus": len(gpus), "model": cfg.training.model}
+        )
+    )
     try:
         worker.run()
         if index != 0:
-            log.info(json.dumps({"event": "finished", "worker": index, "steps": worker.versions[0], "local_steps": worker.steps_done}))
+            log.info(
+                json.dumps(
+                    {
+                        "event": "finished",
+                        "worker": index,
+                        "steps": worker.versions[0],
+                        "local_steps": worker.steps_done,
+                    }
+                )
+            )
             return 0
         result = worker.finish(cfg.training.export_path)
     except grpc.RpcError as err:

@@ -7,6 +7,7 @@ TensorFlow's CPU kernels need 64-byte aligned buffers (a misaligned one aborts t
 so only arrays that start on wire.ALIGN go that way: the tensors of a message received into
 a buffer from `wire.aligned_empty` do (wire.pieces aligns every tensor in the message).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,13 @@ _DLPACK_DTYPES = {np.dtype(np.float32), np.dtype(np.int64), np.dtype(np.int32)}
 
 def in_place(arr: np.ndarray) -> bool:
     """True when TensorFlow can use `arr`'s memory as it is."""
-    return (arr.size > 0 and arr.flags.c_contiguous and arr.flags.writeable and wire.address(arr) % wire.ALIGN == 0
-            and (arr.dtype in _DLPACK_DTYPES or arr.dtype == _BFLOAT16))
+    return (
+        arr.size > 0
+        and arr.flags.c_contiguous
+        and arr.flags.writeable
+        and wire.address(arr) % wire.ALIGN == 0
+        and (arr.dtype in _DLPACK_DTYPES or arr.dtype == _BFLOAT16)
+    )
 
 
 def as_tensor(arr) -> tf.Tensor:

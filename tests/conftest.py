@@ -5,6 +5,7 @@ The cluster comes from hack/cluster.sh (state in $TFPS_STATE, default <repo>/.tf
 is already up is reused; one that a test session started is stopped when the last session using it
 ends (set TFPS_KEEP_CLUSTER=1 to keep it for the next run).
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from support import hack_module, pods_state, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,29 +49,46 @@ class Cluster:
         """hack/cluster.py, with hack/node.py as its `node`."""
         return _hack_cluster()
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
-                timeout: float = 120) -> subprocess.CompletedProcess:
-        proc = subprocess.run(["kubectl", *args], env=self.env, input=input, capture_output=True, text=True,
-                              timeout=timeout)
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            ["kubectl", *args], env=self.env, input=input, capture_output=True, text=True, timeout=timeout
+        )
         if check and proc.returncode != 0:
             raise CommandFailed(proc.returncode, proc.args, proc.stdout, proc.stderr)
         return proc
 
-    def exec_python(self, namespace: str, pod: str, code: str, check: bool = True, tries: int = 3,
-                    timeout: float = 60) -> subprocess.CompletedProcess:
+    def exec_python(
+        self, namespace: str, pod: str, code: str, check: bool = True, tries: int = 3, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
         """`kubectl exec` a Python snippet in the pod's first container. Its exit status is the one
         the pod prints after it, not kubectl's: kubectl ends 0 when the exec's stream is cut
         (kubernetes/kubectl#1726), which reads a failed probe as a success; such a run is made again."""
         for _ in range(tries):
-            proc = self.kubectl("exec", "-n", namespace, pod, "--", "sh", "-c", f'python3 -c "$1"; echo "{EXIT_MARK}$?"',
-                                "sh", code, check=False, timeout=timeout)
+            proc = self.kubectl(
+                "exec",
+                "-n",
+                namespace,
+                pod,
+                "--",
+                "sh",
+                "-c",
+                f'python3 -c "$1"; echo "{EXIT_MARK}$?"',
+                "sh",
+                code,
+                check=False,
+                timeout=timeout,
+            )
             out, mark, status = proc.stdout.rpartition(EXIT_MARK)
             if mark and status.strip().isdigit():
                 if check and int(status) != 0:
                     raise CommandFailed(int(status), proc.args, out, proc.stderr)
                 return subprocess.CompletedProcess(proc.args, int(status), out, proc.stderr)
-        raise AssertionError(f"kubectl exec in {namespace}/{pod} ended {tries} times without the snippet's exit status; "
-                             f"the last: exit {proc.returncode}, stdout {proc.stdout!r}, stderr {proc.stderr!r}")
+        raise AssertionError(
+            f"kubectl exec in {namespace}/{pod} ended {tries} times without the snippet's exit status; "
+            f"the last: exit {proc.returncode}, stdout {proc.stdout!r}, stderr {proc.stderr!r}"
+        )
 
     def wait_pod(self, namespace: str, name: str, until, timeout: float = 90, what: str = "condition"):
         """Polls a pod (a kubernetes V1Pod) until `until(pod)` is true; fails with its last status."""
@@ -95,9 +112,11 @@ class Cluster:
             return wait_for(f"pod {namespace}/{name}: {what}", reached, timeout=timeout, interval=0.25)
         except AssertionError:
             pod = last[0] if last else None
-            raise AssertionError(f"pod {namespace}/{name}: no {what} within {timeout}s; last: "
-                                 f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}"
-                                 f"\nkubelet ({self.state_dir / 'logs' / 'kubelet.log'}):\n{self.kubelet_log_tail()}") from None
+            raise AssertionError(
+                f"pod {namespace}/{name}: no {what} within {timeout}s; last: "
+                f"{pod.status if pod else 'absent'}\nlog:\n{self.pod_log(namespace, name)[-2000:]}"
+                f"\nkubelet ({self.state_dir / 'logs' / 'kubelet.log'}):\n{self.kubelet_log_tail()}"
+            ) from None
 
     def create_namespace(self, name: str) -> str:
         """A namespace for tests, once its default ServiceAccount exists (pods are refused before)."""
@@ -105,8 +124,11 @@ class Cluster:
 
         core = client.CoreV1Api(self.api)
         core.create_namespace({"metadata": {"name": name, "labels": {"tfps.io/test": "true"}}})
-        wait_for(f"namespace {name}'s default ServiceAccount", lambda: core.list_namespaced_service_account(
-            name, field_selector="metadata.name=default").items, timeout=60)
+        wait_for(
+            f"namespace {name}'s default ServiceAccount",
+            lambda: core.list_namespaced_service_account(name, field_selector="metadata.name=default").items,
+            timeout=60,
+        )
         return name
 
     def delete_namespace(self, name: str) -> None:
@@ -158,12 +180,14 @@ def cluster():
     hc = _hack_cluster()
     missing = hc.missing_binaries()
     if missing:
-        pytest.skip(f"cluster parts missing ({', '.join(missing)}; binaries under {hc.bin_dir()}); "
-                    f"run `make cluster-tools`")
+        pytest.skip(
+            f"cluster parts missing ({', '.join(missing)}; binaries under {hc.bin_dir()}); run `make cluster-tools`"
+        )
     state = hc.state_dir()
     session = os.getpid()
-    proc = subprocess.run([str(CLUSTER_SH), "up", "--json", f"--session={session}"], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [str(CLUSTER_SH), "up", "--json", f"--session={session}"], capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         pytest.fail(f"hack/cluster.sh up failed ({proc.returncode}):\n{proc.stderr[-4000:]}", pytrace=False)
     import json
@@ -177,8 +201,7 @@ def cluster():
     env["PATH"] = f"{hc.bin_dir()}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     api = config.new_client_from_config(config_file=str(kubeconfig))
     try:
-        yield Cluster(kubeconfig=kubeconfig, env=env, api=api, state_dir=state,
-                      apiserver_url=info["apiserver_url"])
+        yield Cluster(kubeconfig=kubeconfig, env=env, api=api, state_dir=state, apiserver_url=info["apiserver_url"])
     finally:
         api.close()
         if os.environ.get("TFPS_KEEP_CLUSTER") != "1":
@@ -207,8 +230,12 @@ def pytest_runtest_makereport(item, call):
     a namespace where its pods are (bound, or why not) and what the scheduler said of them."""
     report = (yield).get_result()
     if report.failed and report.when in ("setup", "call") and "cluster" in item.fixturenames:
-        report.sections.append(("the cluster when the test failed",
-                                _cluster_state(item.funcargs.get("cluster"), item.funcargs.get("namespace"))))
+        report.sections.append(
+            (
+                "the cluster when the test failed",
+                _cluster_state(item.funcargs.get("cluster"), item.funcargs.get("namespace")),
+            )
+        )
 
 
 def _scheduler_lines(log: Path, namespace: str, n: int = 40) -> str:
@@ -232,7 +259,10 @@ def _cluster_state(cluster: Cluster | None = None, namespace: str | None = None)
         lines += ["kubelet log:", hc.tail(p.logfile("kubelet"), 15)]
         if cluster and namespace:
             lines += pods_state(cluster.api, namespace)
-            lines += [f"kube-scheduler log, lines naming {namespace}:", _scheduler_lines(p.logfile("kube-scheduler"), namespace)]
+            lines += [
+                f"kube-scheduler log, lines naming {namespace}:",
+                _scheduler_lines(p.logfile("kube-scheduler"), namespace),
+            ]
         return "\n".join(lines)
     except Exception as err:  # a report of the state must not hide the test's own failure
         return f"could not read the cluster's state: {err!r}"

@@ -1,9 +1,9 @@
 """Fixtures of the end-to-end tests: the chart installed by helm, its operator serving only the
 test's namespace (`release`, per test; `install_chart` for other scopes)."""
+
 from __future__ import annotations
 
 import pytest
-
 from jobrun import install_chart
 
 

@@ -1,6 +1,7 @@
 """Helpers of the end-to-end tests: the chart installed by helm, and a TrainingJob run on the real
 stack, watched for duplicate pods (in the API, and as container processes on this machine) while
 faults are injected."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,9 @@ LOCAL_VALUES = REPO / "hack" / "values-local.yaml"  # requests that fit the one-
 
 
 def helm(cluster, *args: str, check: bool = True, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(["helm", *args], env=cluster.env, capture_output=True, text=True, timeout=timeout,
-                          check=check)
+    return subprocess.run(
+        ["helm", *args], env=cluster.env, capture_output=True, text=True, timeout=timeout, check=check
+    )
 
 
 @contextlib.contextmanager
@@ -40,8 +42,21 @@ def install_chart(cluster, namespace: str, *set_values: str):
     waited for; uninstalled on exit. Yields the release name."""
     name = f"tfps-{uuid.uuid4().hex[:6]}"
     sets = [a for v in (f"operator.watchNamespaces={{{namespace}}}", *set_values) for a in ("--set", v)]
-    out = helm(cluster, "install", name, str(CHART), "--namespace", namespace, "-f", str(LOCAL_VALUES), *sets,
-               "--wait", "--timeout", "5m", check=False)
+    out = helm(
+        cluster,
+        "install",
+        name,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "-f",
+        str(LOCAL_VALUES),
+        *sets,
+        "--wait",
+        "--timeout",
+        "5m",
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     try:
         yield name
@@ -65,18 +80,33 @@ def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env:
     ps_container = {"name": "tensorflow", "volumeMounts": [{"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT}]}
     if ps_env:
         ps_container["env"] = [{"name": k, "value": v} for k, v in ps_env.items()]
-    ps_template = {"spec": {
-        "volumes": [{"name": "checkpoints", "hostPath": {"path": str(checkpoint_dir), "type": "DirectoryOrCreate"}}],
-        "containers": [ps_container]}}
-    return {
-        "apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "TrainingJob", "metadata": {"name": name},
+    ps_template = {
         "spec": {
-            "replicaSpecs": {"PS": {"replicas": 2, "restartPolicy": "OnFailure", "template": ps_template},
-                             "Worker": {"replicas": 2, "restartPolicy": "OnFailure"}},
-            "training": {"model": "digits-mlp", "modelArgs": {"hidden": [64]}, "seed": 0,
-                         "optimizer": {"name": "adam", "learningRate": 0.003}, "batchSize": 32, "steps": steps,
-                         "consistency": {"mode": "sync"},
-                         "checkpoint": {"path": CHECKPOINT_MOUNT, "everySteps": every}},
+            "volumes": [
+                {"name": "checkpoints", "hostPath": {"path": str(checkpoint_dir), "type": "DirectoryOrCreate"}}
+            ],
+            "containers": [ps_container],
+        }
+    }
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {
+            "replicaSpecs": {
+                "PS": {"replicas": 2, "restartPolicy": "OnFailure", "template": ps_template},
+                "Worker": {"replicas": 2, "restartPolicy": "OnFailure"},
+            },
+            "training": {
+                "model": "digits-mlp",
+                "modelArgs": {"hidden": [64]},
+                "seed": 0,
+                "optimizer": {"name": "adam", "learningRate": 0.003},
+                "batchSize": 32,
+                "steps": steps,
+                "consistency": {"mode": "sync"},
+                "checkpoint": {"path": CHECKPOINT_MOUNT, "everySteps": every},
+            },
             "runPolicy": {"backoffLimit": 4, "activeDeadlineSeconds": 900, "cleanPodPolicy": "None"},
         },
     }
@@ -101,7 +131,7 @@ def job_processes(namespace: str, job: str) -> dict[tuple[str, int], list[int]]:
             continue
         if stat.rsplit(")", 1)[1].split()[0] == "Z" or not all(w in env for w in want):
             continue
-        tf = next((e[len(b"TF_CONFIG="):] for e in env if e.startswith(b"TF_CONFIG=")), None)
+        tf = next((e[len(b"TF_CONFIG=") :] for e in env if e.startswith(b"TF_CONFIG=")), None)
         if tf is None:
             continue
         task = json.loads(tf)["task"]
@@ -129,6 +159,7 @@ def parent_of(pid: int) -> int | None:
 @dataclass
 class Watch:
     """What the duplicate watcher saw during a run."""
+
     api_duplicates: list[str] = field(default_factory=list)
     process_duplicates: list[str] = field(default_factory=list)
     too_many: list[str] = field(default_factory=list)
@@ -157,7 +188,7 @@ class JobRun:
         self._logs_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> "JobRun":
+    def start(self) -> JobRun:
         self.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, self.namespace, PLURAL, self.body)
         self._thread.start()
         return self
@@ -175,8 +206,9 @@ class JobRun:
 
     def _check_api(self) -> None:
         try:
-            pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"{LABEL_JOB}={self.name}",
-                                                 _request_timeout=5).items
+            pods = self.core.list_namespaced_pod(
+                self.namespace, label_selector=f"{LABEL_JOB}={self.name}", _request_timeout=5
+            ).items
         except Exception:  # the apiserver may be down on purpose
             return
         if self.watch.polls % 3 == 0:
@@ -236,8 +268,10 @@ class JobRun:
             if got is not None and got >= step:
                 return int(got)
             time.sleep(0.3)
-        raise AssertionError(f"{self.name}: PS 0 did not reach step {step} in {timeout}s; job status: "
-                             f"{json.dumps(self.job().get('status'), indent=1)}")
+        raise AssertionError(
+            f"{self.name}: PS 0 did not reach step {step} in {timeout}s; job status: "
+            f"{json.dumps(self.job().get('status'), indent=1)}"
+        )
 
     def wait_finished(self, timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout
@@ -273,8 +307,9 @@ class JobRun:
                 reads.append((runs - 1, True))
             for run, previous in reads:
                 try:
-                    text = self.core.read_namespaced_pod_log(name, self.namespace, container="tensorflow",
-                                                            previous=previous, _request_timeout=5)
+                    text = self.core.read_namespaced_pod_log(
+                        name, self.namespace, container="tensorflow", previous=previous, _request_timeout=5
+                    )
                 except Exception:  # not started yet, gone, or the apiserver down on purpose
                     continue
                 with self._logs_lock:
@@ -284,10 +319,8 @@ class JobRun:
     def log(self, rtype: str, index: int) -> str:
         """Every run of the replica's container, earlier pods of the same name included, oldest first."""
         name = f"{self.name}-{rtype}-{index}"
-        try:
+        with contextlib.suppress(ApiException):
             self._ship_logs([self.pod(rtype, index)])
-        except ApiException:
-            pass
         with self._logs_lock:
             return "".join(text for (pod, _, _), text in self._logs.items() if pod == name)
 
@@ -295,10 +328,8 @@ class JobRun:
         out = []
         for line in self.log(rtype, index).splitlines():
             if f'"event": "{event}"' in line:
-                try:
+                with contextlib.suppress(ValueError):
                     out.append(json.loads(line))
-                except ValueError:
-                    pass
         return out
 
     def kill(self, rtype: str, index: int, sig: int = signal.SIGKILL) -> int:

@@ -4,6 +4,7 @@ network namespace so every `tf.distribute.Server` binds port 2222. The program i
 shipped in a ConfigMap; the job runs on the real node and succeeds when the Chief does, and then
 no PS or worker pod is left (cleanPodPolicy Running).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,13 @@ import textwrap
 
 import pytest
 from kubernetes import client
-
 from support import wait_for
+
 from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-PROGRAM = textwrap.dedent('''
+PROGRAM = textwrap.dedent("""
     import json, os
     import tensorflow as tf
 
@@ -52,27 +53,41 @@ PROGRAM = textwrap.dedent('''
     loss = float(coordinator.schedule(step).fetch())
     print(json.dumps({"event": "trained", "loss": loss, "variables_on": placed}), flush=True)
     raise SystemExit(0 if loss < 0.01 else 1)
-''')
+""")
 
 
 def _template() -> dict:
-    return {"spec": {
-        "containers": [{"name": "tensorflow", "command": ["python3", "/program/train.py"],
-                        "resources": {"requests": {"cpu": "100m", "memory": "384Mi"}},
-                        "volumeMounts": [{"name": "program", "mountPath": "/program", "readOnly": True}]}],
-        "volumes": [{"name": "program", "configMap": {"name": "pss-program"}}]}}
+    return {
+        "spec": {
+            "containers": [
+                {
+                    "name": "tensorflow",
+                    "command": ["python3", "/program/train.py"],
+                    "resources": {"requests": {"cpu": "100m", "memory": "384Mi"}},
+                    "volumeMounts": [{"name": "program", "mountPath": "/program", "readOnly": True}],
+                }
+            ],
+            "volumes": [{"name": "program", "configMap": {"name": "pss-program"}}],
+        }
+    }
 
 
 def test_parameter_server_strategy_program_trains_to_succeeded(cluster, namespace, release):
     core = client.CoreV1Api(cluster.api)
-    core.create_namespaced_config_map(namespace, {"metadata": {"name": "pss-program"},
-                                                  "data": {"train.py": PROGRAM}})
-    body = {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "TrainingJob", "metadata": {"name": "pss"},
-            "spec": {"replicaSpecs": {
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "pss-program"}, "data": {"train.py": PROGRAM}})
+    body = {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": "pss"},
+        "spec": {
+            "replicaSpecs": {
                 "Chief": {"replicas": 1, "restartPolicy": "OnFailure", "template": _template()},
                 "PS": {"replicas": 2, "restartPolicy": "OnFailure", "template": _template()},
-                "Worker": {"replicas": 2, "restartPolicy": "OnFailure", "template": _template()}},
-                "runPolicy": {"backoffLimit": 2, "activeDeadlineSeconds": 500}}}
+                "Worker": {"replicas": 2, "restartPolicy": "OnFailure", "template": _template()},
+            },
+            "runPolicy": {"backoffLimit": 2, "activeDeadlineSeconds": 500},
+        },
+    }
     custom = client.CustomObjectsApi(cluster.api)
     custom.create_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, body)
 
@@ -89,7 +104,11 @@ def test_parameter_server_strategy_program_trains_to_succeeded(cluster, namespac
 
     def left():
         pods = core.list_namespaced_pod(namespace, label_selector="tfps.io/job-name=pss").items
-        return sorted(p.metadata.name for p in pods if p.metadata.labels.get("tfps.io/replica-type") in ("ps", "worker")
-                      and p.status.phase in ("Pending", "Running"))
+        return sorted(
+            p.metadata.name
+            for p in pods
+            if p.metadata.labels.get("tfps.io/replica-type") in ("ps", "worker")
+            and p.status.phase in ("Pending", "Running")
+        )
 
     wait_for("no PS or worker pod left (cleanPodPolicy Running)", lambda: left() == [], timeout=60, interval=0.5)

@@ -11,6 +11,7 @@ reliability` does).
 
 Each fault's figures go to the reliability report (hack/reliability.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,10 +22,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kubernetes import client
-
-from support import wait_for
 from jobrun import JobRun, install_chart, manifest
+from kubernetes import client
+from support import wait_for
+
 from tfps.api.naming import ENV_CRASH_AT
 from tfps.runtime.checkpoint import CRASH_MARKER
 
@@ -49,8 +50,11 @@ def stack(cluster):
             yield ns
             custom = client.CustomObjectsApi(cluster.api)
             custom.delete_collection_namespaced_custom_object("tfps.io", "v1alpha1", ns, "trainingjobs")
-            wait_for("the jobs deleted (the operator's finalizer)", lambda: not custom.list_namespaced_custom_object(
-                "tfps.io", "v1alpha1", ns, "trainingjobs")["items"], timeout=60)
+            wait_for(
+                "the jobs deleted (the operator's finalizer)",
+                lambda: not custom.list_namespaced_custom_object("tfps.io", "v1alpha1", ns, "trainingjobs")["items"],
+                timeout=60,
+            )
     finally:
         cluster.delete_namespace(ns)
 
@@ -121,19 +125,33 @@ def _inject(fault: str, run: JobRun, cluster, ns: str) -> None:
         raise ValueError(fault)
 
 
-FAULTS = ["ps-0 SIGKILL", "worker-1 SIGKILL", "ps-0 pod deleted (kubectl)", "worker-1 pod deleted (kubectl)",
-          "operator SIGKILL and restart", "kube-apiserver and etcd restart", "node restart (kubelet and containerd)"]
+FAULTS = [
+    "ps-0 SIGKILL",
+    "worker-1 SIGKILL",
+    "ps-0 pod deleted (kubectl)",
+    "worker-1 pod deleted (kubectl)",
+    "operator SIGKILL and restart",
+    "kube-apiserver and etcd restart",
+    "node restart (kubelet and containerd)",
+]
 
 
 def _check_run(run: JobRun, baseline: dict, fault: str, before: dict, record_property, status: dict) -> dict:
     """The assertions every faulted run must pass; records its figures first."""
     run.stop_watching()
-    figures = {"kind": "fault", "fault": fault, "phase": status.get("phase"), "baseline": baseline["accuracy"],
-               "checkpoint_interval": EVERY, "steps_redone": 0, "steps_lost": 0,
-               "duplicates": len(run.watch.api_duplicates) + len(run.watch.process_duplicates) + len(run.watch.too_many)}
+    figures = {
+        "kind": "fault",
+        "fault": fault,
+        "phase": status.get("phase"),
+        "baseline": baseline["accuracy"],
+        "checkpoint_interval": EVERY,
+        "steps_redone": 0,
+        "steps_lost": 0,
+        "duplicates": len(run.watch.api_duplicates) + len(run.watch.process_duplicates) + len(run.watch.too_many),
+    }
     restores = {}
     for ps in (0, 1):
-        restored = run.events("ps", ps, "restored")[before[ps]["restores"]:]
+        restored = run.events("ps", ps, "restored")[before[ps]["restores"] :]
         if restored:
             step = min(e["step"] for e in restored)
             restores[ps] = step
@@ -164,9 +182,11 @@ def _before(run: JobRun) -> dict:
     out = {}
     for ps in (0, 1):
         ckpts = run.events("ps", ps, "checkpoint")
-        out[ps] = {"step": int(run.metric("ps", ps, "tfps_ps_global_step") or 0),
-                   "checkpoint": max((e["step"] for e in ckpts), default=0),
-                   "restores": len(run.events("ps", ps, "restored"))}
+        out[ps] = {
+            "step": int(run.metric("ps", ps, "tfps_ps_global_step") or 0),
+            "checkpoint": max((e["step"] for e in ckpts), default=0),
+            "restores": len(run.events("ps", ps, "restored")),
+        }
     return out
 
 
@@ -197,8 +217,9 @@ def test_fault_mid_run_is_survived(cluster, stack, baseline, fault, tmp_path, re
         assert run.watch.restarts.get(("ps", 0)) == (1 if "SIGKILL" in fault else 0), run.watch.restarts
 
 
-def test_crash_in_the_middle_of_a_checkpoint_restores_the_previous_one(cluster, stack, baseline, tmp_path,
-                                                                        record_property):
+def test_crash_in_the_middle_of_a_checkpoint_restores_the_previous_one(
+    cluster, stack, baseline, tmp_path, record_property
+):
     """Both PS die (SIGKILL, by a test hook) after writing the temporary file of the step-200
     checkpoint and before renaming it: each restarts from the step-150 checkpoint, intact."""
     crash_at = 4 * EVERY
@@ -230,18 +251,31 @@ def test_workers_scaled_up_live_mid_run(cluster, stack, tmp_path, record_propert
     core = client.CoreV1Api(cluster.api)
     try:
         run.wait_step(EVERY)
-        uids = {p.metadata.name: p.metadata.uid for p in core.list_namespaced_pod(
-            stack, label_selector=f"tfps.io/job-name={run.name}").items}
+        uids = {
+            p.metadata.name: p.metadata.uid
+            for p in core.list_namespaced_pod(stack, label_selector=f"tfps.io/job-name={run.name}").items
+        }
         run.replicas += 1  # the watcher's bound on live pods
         cluster.kubectl("scale", f"tj/{run.name}", "-n", stack, "--replicas=3")
         status = run.wait_finished()
     finally:
         run.stop_watching()
     result = run.result() if status.get("phase") == "Succeeded" else {}
-    record_property("reliability", {"kind": "fault", "fault": "workers scaled 2 -> 3 (kubectl scale)", "phase": status.get("phase"),
-                                    "baseline": None, "accuracy": result.get("accuracy"), "steps": result.get("steps"),
-                                    "checkpoint_interval": EVERY, "steps_redone": 0, "steps_lost": 0,
-                                    "duplicates": len(run.watch.api_duplicates) + len(run.watch.process_duplicates) + len(run.watch.too_many)})
+    record_property(
+        "reliability",
+        {
+            "kind": "fault",
+            "fault": "workers scaled 2 -> 3 (kubectl scale)",
+            "phase": status.get("phase"),
+            "baseline": None,
+            "accuracy": result.get("accuracy"),
+            "steps": result.get("steps"),
+            "checkpoint_interval": EVERY,
+            "steps_redone": 0,
+            "steps_lost": 0,
+            "duplicates": len(run.watch.api_duplicates) + len(run.watch.process_duplicates) + len(run.watch.too_many),
+        },
+    )
     assert status.get("phase") == "Succeeded", status
     assert result["steps"] == steps and result["accuracy"] >= 0.9, result
     assert not run.watch.api_duplicates and not run.watch.too_many and not run.watch.process_duplicates, run.watch

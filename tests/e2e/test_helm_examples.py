@@ -8,6 +8,7 @@ kubectl, a real kubelet with containerd and runc, the images built from images/.
 GPU: it advertises nvidia.com/gpu as an extended resource, so GPU workers are scheduled and their
 TensorFlow runs on the CPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,11 +28,15 @@ EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 
 
 def _get_job(cluster, namespace: str, name: str) -> dict:
-    return client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, name)
+    return client.CustomObjectsApi(cluster.api).get_namespaced_custom_object(
+        API_GROUP, API_VERSION, namespace, PLURAL, name
+    )
 
 
 def _operator_pod(cluster, namespace: str) -> client.V1Pod:
-    pods = client.CoreV1Api(cluster.api).list_namespaced_pod(namespace, label_selector="app.kubernetes.io/name=tfps").items
+    pods = (
+        client.CoreV1Api(cluster.api).list_namespaced_pod(namespace, label_selector="app.kubernetes.io/name=tfps").items
+    )
     assert len(pods) == 1, [p.metadata.name for p in pods]
     return pods[0]
 
@@ -74,9 +79,13 @@ def test_example_trains_to_succeeded(cluster, namespace, release, example):
 
     # cleanPodPolicy Running (the default): no PS pod outlives the finished job.
     core = client.CoreV1Api(cluster.api)
+
     def ps_left():
-        pods = core.list_namespaced_pod(namespace, label_selector=f"tfps.io/job-name={job.name},tfps.io/replica-type=ps").items
+        pods = core.list_namespaced_pod(
+            namespace, label_selector=f"tfps.io/job-name={job.name},tfps.io/replica-type=ps"
+        ).items
         return [p.metadata.name for p in pods if p.status.phase in ("Pending", "Running")]
+
     deadline = time.monotonic() + 60
     while ps_left() and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -85,8 +94,8 @@ def test_example_trains_to_succeeded(cluster, namespace, release, example):
     # `kubectl get tj` shows what a user would look at.
     table = cluster.kubectl("get", "tj", job.name, "--namespace", namespace).stdout
     assert "Succeeded" in table and str(steps) in table, table
-    events = cluster.kubectl("get", "events", "--namespace", namespace, "--field-selector",
-                             f"involvedObject.name={job.name}", "-o", "yaml").stdout
+    events = cluster.kubectl(
+        "get", "events", "--namespace", namespace, "--field-selector", f"involvedObject.name={job.name}", "-o", "yaml"
+    ).stdout
     reasons = {e["reason"] for e in yaml.safe_load(events)["items"]}
     assert reasons, "the operator recorded no Event for the job"
-

@@ -6,6 +6,7 @@ headless Service's Endpoints and EndpointSlices, every TF_CONFIG name resolving 
 Nothing is mocked: kubelet, containerd, runc, CNI bridge, kube-proxy, CoreDNS and kube-router's
 firewall are the real ones (hack/cluster.sh); the jobs run the project's images.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,10 +16,10 @@ import urllib.request
 import uuid
 
 import pytest
-from kubernetes import client
-
 from jobrun import install_chart
+from kubernetes import client
 from support import wait_for
+
 from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -32,15 +33,27 @@ def _job(name: str) -> dict:
     small = {"requests": {"cpu": "100m", "memory": "256Mi"}}
     ps_resources = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": PS_CPU_LIMIT, "memory": "1Gi"}}
     return {
-        "apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": "TrainingJob", "metadata": {"name": name},
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
         "spec": {
             "replicaSpecs": {
-                "PS": {"replicas": 1, "template": {"spec": {"containers": [
-                    {"name": "tensorflow", "resources": ps_resources}]}}},
-                "Worker": {"replicas": 1, "template": {"spec": {"containers": [
-                    {"name": "tensorflow", "resources": small}]}}}},
-            "training": {"model": "digits-mlp", "modelArgs": {"hidden": [16]}, "batchSize": 16, "steps": 10_000_000,
-                         "consistency": {"mode": "async"}},
+                "PS": {
+                    "replicas": 1,
+                    "template": {"spec": {"containers": [{"name": "tensorflow", "resources": ps_resources}]}},
+                },
+                "Worker": {
+                    "replicas": 1,
+                    "template": {"spec": {"containers": [{"name": "tensorflow", "resources": small}]}},
+                },
+            },
+            "training": {
+                "model": "digits-mlp",
+                "modelArgs": {"hidden": [16]},
+                "batchSize": 16,
+                "steps": 10_000_000,
+                "consistency": {"mode": "async"},
+            },
             "runPolicy": {"activeDeadlineSeconds": 900},
         },
     }
@@ -48,11 +61,23 @@ def _job(name: str) -> dict:
 
 def _probe_pod(name: str, labels: dict) -> dict:
     """A pod outside any job, running the PS image idle, to connect from."""
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
-            "spec": {"terminationGracePeriodSeconds": 1, "containers": [{
-                "name": "probe", "image": "tfps/ps:0.1.0", "imagePullPolicy": "IfNotPresent",
-                "command": ["python3", "-c", "import time; time.sleep(3600)"],
-                "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}}}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "probe",
+                    "image": "tfps/ps:0.1.0",
+                    "imagePullPolicy": "IfNotPresent",
+                    "command": ["python3", "-c", "import time; time.sleep(3600)"],
+                    "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+                }
+            ],
+        },
+    }
 
 
 class Node:
@@ -73,8 +98,10 @@ class Node:
         return self.cluster.exec_python(self.ns, pod, code, check=check)
 
     def connects(self, pod: str, ip: str, port: int) -> bool:
-        code = (f"import socket,sys\ntry:\n socket.create_connection(({ip!r}, {port}), timeout=3).close()\n"
-                f"except OSError as e:\n print(e); sys.exit(1)")
+        code = (
+            f"import socket,sys\ntry:\n socket.create_connection(({ip!r}, {port}), timeout=3).close()\n"
+            f"except OSError as e:\n print(e); sys.exit(1)"
+        )
         return self.exec(pod, code, check=False).returncode == 0
 
 
@@ -93,11 +120,19 @@ def node(cluster):
             core.create_namespaced_pod(ns, _probe_pod("stranger", {"role": "other"}))
             n = Node(cluster, ns)
             for pod in ("a-ps-0", "a-worker-0", "b-ps-0", "b-worker-0", "scraper", "stranger"):
-                cluster.wait_pod(ns, pod, lambda p: p is not None and p.status.phase == "Running", timeout=240,
-                                 what="Running")
+                cluster.wait_pod(
+                    ns, pod, lambda p: p is not None and p.status.phase == "Running", timeout=240, what="Running"
+                )
             for job in ("a", "b"):  # training: the PS serves and its worker's Steps go over the data path
-                wait_for(f"job {job} training", lambda job=job: '"event": "serving"' in cluster.pod_log(ns, f"{job}-ps-0")
-                         and '"event": "data-path"' in cluster.pod_log(ns, f"{job}-worker-0"), timeout=180, interval=1)
+                wait_for(
+                    f"job {job} training",
+                    lambda job=job: (
+                        '"event": "serving"' in cluster.pod_log(ns, f"{job}-ps-0")
+                        and '"event": "data-path"' in cluster.pod_log(ns, f"{job}-worker-0")
+                    ),
+                    timeout=180,
+                    interval=1,
+                )
             yield n
             custom.delete_collection_namespaced_custom_object(API_GROUP, API_VERSION, ns, PLURAL)
     finally:
@@ -106,12 +141,14 @@ def node(cluster):
 
 def test_containers_run_non_root_with_a_read_only_root_and_no_capabilities(node):
     operator = node.core.list_namespaced_pod(node.ns, label_selector="app.kubernetes.io/name=tfps").items[0]
-    code = ("import json,os\n"
-            "caps = lambda pid: [l.split()[1] for l in open(f'/proc/{pid}/status') if l.startswith('CapEff')][0]\n"
-            "try:\n open('/written-by-test', 'w'); root_writable = True\n"
-            "except OSError as e:\n root_writable = e.strerror\n"
-            "print(json.dumps({'uid': os.getuid(), 'main_uid': os.stat('/proc/1').st_uid, 'caps': caps('self'),"
-            " 'main_caps': caps(1), 'root': root_writable}))")
+    code = (
+        "import json,os\n"
+        "caps = lambda pid: [l.split()[1] for l in open(f'/proc/{pid}/status') if l.startswith('CapEff')][0]\n"
+        "try:\n open('/written-by-test', 'w'); root_writable = True\n"
+        "except OSError as e:\n root_writable = e.strerror\n"
+        "print(json.dumps({'uid': os.getuid(), 'main_uid': os.stat('/proc/1').st_uid, 'caps': caps('self'),"
+        " 'main_caps': caps(1), 'root': root_writable}))"
+    )
     for pod in ("a-ps-0", "a-worker-0", operator.metadata.name):
         seen = json.loads(node.exec(pod, code).stdout)
         assert seen["uid"] == 10001 and seen["main_uid"] == 10001, (pod, seen)
@@ -120,17 +157,27 @@ def test_containers_run_non_root_with_a_read_only_root_and_no_capabilities(node)
 
 
 def test_the_ps_cpu_limit_is_its_cgroup_quota_and_the_cpus_it_sees(node):
-    seen = json.loads(node.exec("a-ps-0", (
-        "import json,os\n"
-        "r = lambda f: open('/sys/fs/cgroup/cpu/' + f).read().strip()\n"
-        "print(json.dumps({'quota': r('cpu.cfs_quota_us'), 'period': r('cpu.cfs_period_us'), 'cores': os.cpu_count()}))"
-    )).stdout)
+    seen = json.loads(
+        node.exec(
+            "a-ps-0",
+            (
+                "import json,os\n"
+                "r = lambda f: open('/sys/fs/cgroup/cpu/' + f).read().strip()\n"
+                "print(json.dumps({'quota': r('cpu.cfs_quota_us'), 'period': r('cpu.cfs_period_us'), 'cores': os.cpu_count()}))"
+            ),
+        ).stdout
+    )
     assert int(seen["quota"]) == int(PS_CPU_LIMIT) * int(seen["period"]), seen
     assert seen["cores"] >= 2, "the limit, not the node's cores, must decide"
-    threads = [json.loads(line) for line in node.cluster.pod_log(node.ns, "a-ps-0").splitlines()
-               if '"event": "threads"' in line]
+    threads = [
+        json.loads(line)
+        for line in node.cluster.pod_log(node.ns, "a-ps-0").splitlines()
+        if '"event": "threads"' in line
+    ]
     assert threads and threads[0]["threads"] == int(PS_CPU_LIMIT) and threads[0]["source"] == "cgroup", (
-        threads, node.cluster.pod_log(node.ns, "a-ps-0")[:3000])
+        threads,
+        node.cluster.pod_log(node.ns, "a-ps-0")[:3000],
+    )
 
 
 def test_the_ps_and_the_worker_run_under_sched_batch(node):
@@ -167,13 +214,21 @@ def test_headless_service_has_pod_ips_and_tf_config_names_resolve(node, cluster)
     endpoints = node.core.read_namespaced_endpoints("a", node.ns)
     assert {a.ip for s in endpoints.subsets or [] for a in s.addresses or []} == ips
 
-    resolved = json.loads(node.exec("a-worker-0", (
-        "import json,os,socket\n"
-        "cluster = json.loads(os.environ['TF_CONFIG'])['cluster']\n"
-        "names = [hp.rsplit(':', 1)[0] for hps in cluster.values() for hp in hps]\n"
-        "print(json.dumps({n: socket.gethostbyname(n) for n in names}))")).stdout)
-    assert resolved == {f"a-ps-0.a.{node.ns}.svc": node.ip("a-ps-0"),
-                        f"a-worker-0.a.{node.ns}.svc": node.ip("a-worker-0")}
+    resolved = json.loads(
+        node.exec(
+            "a-worker-0",
+            (
+                "import json,os,socket\n"
+                "cluster = json.loads(os.environ['TF_CONFIG'])['cluster']\n"
+                "names = [hp.rsplit(':', 1)[0] for hps in cluster.values() for hp in hps]\n"
+                "print(json.dumps({n: socket.gethostbyname(n) for n in names}))"
+            ),
+        ).stdout
+    )
+    assert resolved == {
+        f"a-ps-0.a.{node.ns}.svc": node.ip("a-ps-0"),
+        f"a-worker-0.a.{node.ns}.svc": node.ip("a-worker-0"),
+    }
 
 
 def test_kubectl_logs_exec_and_port_forward(node, cluster):
@@ -185,9 +240,13 @@ def test_kubectl_logs_exec_and_port_forward(node, cluster):
     local.bind(("127.0.0.1", 0))
     port = local.getsockname()[1]
     local.close()
-    fwd = subprocess.Popen(["kubectl", "port-forward", "-n", node.ns, "pod/a-ps-0", f"{port}:9090",
-                            "--address", "127.0.0.1"], env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    fwd = subprocess.Popen(
+        ["kubectl", "port-forward", "-n", node.ns, "pod/a-ps-0", f"{port}:9090", "--address", "127.0.0.1"],
+        env=cluster.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -209,11 +268,16 @@ def test_no_packet_leaves_the_cluster_addresses(node, cluster):
     but belongs to nothing of the cluster's is dropped by the guard (its counter grows)."""
     hc = cluster.hack
     before = hc.node.guard_drops()
-    unreachable = node.exec("stranger", (
-        "import socket\n"
-        "for addr in ('192.0.2.1', '8.8.8.8'):\n"
-        "    try:\n        socket.create_connection((addr, 80), timeout=2)\n        print('connected', addr)\n"
-        "    except OSError as e:\n        print(addr, e.errno)"), check=False).stdout
+    unreachable = node.exec(
+        "stranger",
+        (
+            "import socket\n"
+            "for addr in ('192.0.2.1', '8.8.8.8'):\n"
+            "    try:\n        socket.create_connection((addr, 80), timeout=2)\n        print('connected', addr)\n"
+            "    except OSError as e:\n        print(addr, e.errno)"
+        ),
+        check=False,
+    ).stdout
     assert "connected" not in unreachable, unreachable
     assert not node.connects("stranger", "198.19.77.77", 80)
     assert hc.node.guard_drops() > before, "the guard dropped nothing"

@@ -1,5 +1,6 @@
 """Fixtures for the operator's integration tests: the CRDs installed, and `tfps operator`
 running as a real process (killable, restartable) against the local control plane."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,10 +15,9 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from support import hack_module, scrape, wait_for
 
 from tfps.runtime.ports import free_port
-
-from support import hack_module, scrape, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 CRDS = [REPO / "crds" / "trainingjob.yaml", REPO / "crds" / "kopf-peering.yaml"]
@@ -28,15 +28,32 @@ LOCAL_RESOURCES = yaml.safe_load((REPO / "hack" / "values-local.yaml").read_text
 UNSCHEDULABLE = {"spec": {"nodeSelector": {"tfps.io/test": "status-set-by-test"}}}
 
 
-def job_manifest(name: str, ps: int = 2, workers: int = 4, *, policy: str = "OnFailure", template=UNSCHEDULABLE,
-                 training: dict | None = None, run_policy: dict | None = None, chief: int = 0, **spec) -> dict:
-    replicas = {"PS": {"replicas": ps, "template": template}, "Worker": {"replicas": workers, "restartPolicy": policy, "template": template}}
+def job_manifest(
+    name: str,
+    ps: int = 2,
+    workers: int = 4,
+    *,
+    policy: str = "OnFailure",
+    template=UNSCHEDULABLE,
+    training: dict | None = None,
+    run_policy: dict | None = None,
+    chief: int = 0,
+    **spec,
+) -> dict:
+    replicas = {
+        "PS": {"replicas": ps, "template": template},
+        "Worker": {"replicas": workers, "restartPolicy": policy, "template": template},
+    }
     if chief:
         replicas["Chief"] = {"replicas": chief, "restartPolicy": policy, "template": template}
     if not ps:
         del replicas["PS"]
-    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainingJob", "metadata": {"name": name},
-            "spec": {"replicaSpecs": replicas, **spec}}
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainingJob",
+        "metadata": {"name": name},
+        "spec": {"replicaSpecs": replicas, **spec},
+    }
     body["spec"]["training"] = training if training is not None else {"steps": 10}
     if run_policy:
         body["spec"]["runPolicy"] = run_policy
@@ -70,10 +87,25 @@ class OperatorHarness:
         Path(config_path).write_text(yaml.safe_dump(config))
         log = open(self.log_dir / f"operator-{len(self.procs)}.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tfps.cli.main", "operator", "--namespace", self.namespace,
-             "--metrics-address", "127.0.0.1", "--metrics-port", str(self.metrics_port),
-             "--health-port", str(self.health_port), *extra],
-            env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": config_path}, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "tfps.cli.main",
+                "operator",
+                "--namespace",
+                self.namespace,
+                "--metrics-address",
+                "127.0.0.1",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--health-port",
+                str(self.health_port),
+                *extra,
+            ],
+            env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": config_path},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         self.procs.append(proc)
         return proc
 
@@ -138,14 +170,31 @@ class OperatorHarness:
     def set_pod(self, name: str, phase: str, exit_code: int | None = None, restarts: int = 0) -> None:
         """Write a pod's status the way a kubelet would (the pod is never run: see UNSCHEDULABLE)."""
         if exit_code is not None:
-            state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
-                                    "startedAt": "2026-01-01T00:00:00Z", "finishedAt": "2026-01-01T00:00:01Z"}}
+            state = {
+                "terminated": {
+                    "exitCode": exit_code,
+                    "reason": "Completed" if exit_code == 0 else "Error",
+                    "startedAt": "2026-01-01T00:00:00Z",
+                    "finishedAt": "2026-01-01T00:00:01Z",
+                }
+            }
         else:
             state = {"running": {"startedAt": "2026-01-01T00:00:00Z"}}
         pod = self.core.read_namespaced_pod(name, self.namespace)
-        status = {"phase": phase, "podIP": "127.0.0.1" if phase == "Running" else None, "containerStatuses": [{
-            "name": "tensorflow", "image": pod.spec.containers[0].image, "imageID": "", "ready": phase == "Running",
-            "restartCount": restarts, "state": state}]}
+        status = {
+            "phase": phase,
+            "podIP": "127.0.0.1" if phase == "Running" else None,
+            "containerStatuses": [
+                {
+                    "name": "tensorflow",
+                    "image": pod.spec.containers[0].image,
+                    "imageID": "",
+                    "ready": phase == "Running",
+                    "restartCount": restarts,
+                    "state": state,
+                }
+            ],
+        }
         self.core.patch_namespaced_pod_status(name, self.namespace, {"status": status})
 
     def set_all(self, job: str, phase: str = "Running") -> None:
@@ -159,12 +208,17 @@ class OperatorHarness:
         try:
             for item in self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)["items"]:
                 try:
-                    self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, item["metadata"]["name"])
+                    self.custom.delete_namespaced_custom_object(
+                        GROUP, VERSION, self.namespace, PLURAL, item["metadata"]["name"]
+                    )
                 except ApiException as err:
                     if err.status != 404:
                         raise
-            wait_for("jobs deleted", lambda: not self.custom.list_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL)["items"], timeout=30)
+            wait_for(
+                "jobs deleted",
+                lambda: not self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)["items"],
+                timeout=30,
+            )
         finally:
             self.stop_all()
 
@@ -186,6 +240,7 @@ def kwok_nodes(cluster, tmp_path):
     `kwok_nodes([kwok.node_manifest(...), ...])`. Stopped afterwards, its nodes deleted with their pods."""
     kwok = hack_module("kwok")
     with contextlib.ExitStack() as stack:
+
         def start(nodes: list[dict]):
             stack.enter_context(kwok.running(cluster.kubeconfig, nodes, tmp_path / "kwok.log"))
             return kwok

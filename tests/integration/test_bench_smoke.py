@@ -7,6 +7,7 @@ SGD, Adam and Adam while checkpointing, a `tfps ps` for the goodput pair. Checks
 reads: every row of the report with numeric rates, bytes and memory, each goal marked met
 or missed, and the machine it ran on. No timing is asserted.
 """
+
 import json
 import math
 import os
@@ -56,7 +57,9 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
         assert len(shape["repeats"]) == 1
         for system in report.SYSTEMS:
             assert _numeric(shape["medians"][system]), (name, system)
-        _assert_cpu_measured(shape["medians"], ("limit", "limit_update_async", "limit_update_sync", "tfps_async", "tfps_sync"))
+        _assert_cpu_measured(
+            shape["medians"], ("limit", "limit_update_async", "limit_update_sync", "tfps_async", "tfps_sync")
+        )
         for rdef in report.RATIOS:
             entry = shape["ratios"][rdef.key]
             assert _numeric(entry["median"]), (name, rdef.key)
@@ -71,11 +74,29 @@ def test_quick_bench_reports_every_ratio_with_numbers(tmp_path):
     (emb,) = out["embedding"]["shapes"].values()
     for system in report.EMBEDDING_SYSTEMS:
         assert _numeric(emb["medians"][system]), system
-    for key in ("tfps_sgd:wire_bytes_per_step", "tfps_adam:ps_peak_rss", "tfps_adam:worker_peak_rss", "limit:bytes_per_step",
-                "tfps_adam_ckpt:longest_step", "tfps_adam_ckpt:p99_step", "state_adam:shard"):
+    for key in (
+        "tfps_sgd:wire_bytes_per_step",
+        "tfps_adam:ps_peak_rss",
+        "tfps_adam:worker_peak_rss",
+        "limit:bytes_per_step",
+        "tfps_adam_ckpt:longest_step",
+        "tfps_adam_ckpt:p99_step",
+        "state_adam:shard",
+    ):
         assert _numeric(emb["medians"][key]), key
-    _assert_cpu_measured(emb["medians"], ("limit", "limit_sharded", "limit_update_sgd", "limit_update_adam", "limit_update_sgd_sharded",
-                                          "limit_update_adam_sharded", "tfps_sgd", "tfps_adam"))
+    _assert_cpu_measured(
+        emb["medians"],
+        (
+            "limit",
+            "limit_sharded",
+            "limit_update_sgd",
+            "limit_update_adam",
+            "limit_update_sgd_sharded",
+            "limit_update_adam_sharded",
+            "tfps_sgd",
+            "tfps_adam",
+        ),
+    )
     for shape in (*out["shapes"].values(), emb):  # the limit, measured on both sides of tfps's runs
         before, after = shape["medians"]["limit:before"], shape["medians"]["limit:after"]
         assert _numeric(before) and _numeric(after) and shape["medians"]["limit"] == pytest.approx((before + after) / 2)

@@ -6,6 +6,7 @@ Real processes and a real file system; the crash point is made deterministic by 
 (`TFPS_TEST_CHECKPOINT_CRASH_AT`), not simulated. The same crash inside a running job on the
 cluster is tests/e2e/test_faults.py::test_crash_in_the_middle_of_a_checkpoint_restores_the_previous_one.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,13 @@ def _write(folder, *versions: int, crash_at: int | None = None) -> subprocess.Co
     env = {k: v for k, v in os.environ.items() if k != ENV_CRASH_AT}
     if crash_at is not None:
         env[ENV_CRASH_AT] = str(crash_at)
-    return subprocess.run([sys.executable, "-c", WRITER, str(folder), *map(str, versions)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", WRITER, str(folder), *map(str, versions)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_crash_mid_checkpoint_keeps_the_previous_one(tmp_path):

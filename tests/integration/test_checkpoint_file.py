@@ -4,6 +4,7 @@ whole either way: the bytes of the wire message, nothing more, readable at once.
 Real files: the test folder's filesystem (O_DIRECT), a ramfs mounted in a private mount
 namespace (which refuses O_DIRECT), and util-linux's `fincore` to see the page cache.
 """
+
 from __future__ import annotations
 
 import errno
@@ -31,8 +32,9 @@ META = {"version": 12, "optimizer": "adam"}
 
 def _resident_bytes(path) -> int:
     """Bytes of the file in the page cache, as `fincore` reports them."""
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.split()[0])
 
 
@@ -64,8 +66,12 @@ def test_a_filesystem_without_o_direct_gets_the_checkpoint_through_the_cache(tmp
     folder = tmp_path / "ramfs"
     folder.mkdir()
     script = f'mount -t ramfs none "$1" && exec "{sys.executable}" -c "$2" "$1"'
-    out = subprocess.run(["unshare", "--mount", "sh", "-c", script, "sh", str(folder), WRITE_ON_RAMFS],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script, "sh", str(folder), WRITE_ON_RAMFS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["whole"]
 

@@ -11,6 +11,7 @@ quarters of it. It is busy when they arrive (two blocker pods hold all 8 GPUs): 
 first, then half the GPUs free up, then job B arrives with a higher priority, then the other
 half frees up.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,10 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import job_manifest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-
-from conftest import job_manifest
 from support import hack_module, wait_for
 
 GPU = "nvidia.com/gpu"
@@ -37,8 +37,15 @@ def _nodes(kwok) -> list[dict]:
 
 
 def _template(kwok, gpus: int = 0) -> dict:
-    spec = {**kwok.placement(), "containers": [{"name": "tensorflow", "resources": {
-        "requests": {"cpu": "100m", "memory": "64Mi", **({GPU: str(gpus)} if gpus else {})}}}]}
+    spec = {
+        **kwok.placement(),
+        "containers": [
+            {
+                "name": "tensorflow",
+                "resources": {"requests": {"cpu": "100m", "memory": "64Mi", **({GPU: str(gpus)} if gpus else {})}},
+            }
+        ],
+    }
     return {"spec": spec}
 
 
@@ -52,9 +59,18 @@ def _job(kwok, name: str, priority: str | None) -> dict:
 
 def _blocker(kwok, name: str, node: str) -> dict:
     # B's priority: other work that B may not preempt, whatever B's priority class allows
-    spec = {**kwok.placement(), "nodeName": node, "priorityClassName": HIGH,
-            "containers": [{"name": "hold", "image": "tfps/worker:0.1.0", "resources": {
-                "requests": {GPU: str(GPUS_PER_NODE)}, "limits": {GPU: str(GPUS_PER_NODE)}}}]}
+    spec = {
+        **kwok.placement(),
+        "nodeName": node,
+        "priorityClassName": HIGH,
+        "containers": [
+            {
+                "name": "hold",
+                "image": "tfps/worker:0.1.0",
+                "resources": {"requests": {GPU: str(GPUS_PER_NODE)}, "limits": {GPU: str(GPUS_PER_NODE)}},
+            }
+        ],
+    }
     return {"metadata": {"name": name}, "spec": spec}
 
 
@@ -89,8 +105,9 @@ class Program:
             return False
         for name in self.op.pods(job):
             if "-worker-" in name:
-                self.op.core.patch_namespaced_pod(name, self.op.namespace, {
-                    "metadata": {"annotations": {self.kwok.SUCCEED_AFTER: "1s"}}})
+                self.op.core.patch_namespaced_pod(
+                    name, self.op.namespace, {"metadata": {"annotations": {self.kwok.SUCCEED_AFTER: "1s"}}}
+                )
         return True
 
     def finishing(self, job: str) -> bool:
@@ -107,9 +124,12 @@ class Program:
 
 
 def _priority_class(cluster, name: str, preempt: bool) -> str:
-    body = {"metadata": {"name": name}, "value": 1000,
-            "preemptionPolicy": "PreemptLowerPriority" if preempt else "Never",
-            "description": f"tfps tests: a higher priority that {'may' if preempt else 'may not'} preempt"}
+    body = {
+        "metadata": {"name": name},
+        "value": 1000,
+        "preemptionPolicy": "PreemptLowerPriority" if preempt else "Never",
+        "description": f"tfps tests: a higher priority that {'may' if preempt else 'may not'} preempt",
+    }
     try:
         client.SchedulingV1Api(cluster.api).create_priority_class(body)
     except ApiException as err:
@@ -132,20 +152,32 @@ def _busy_cluster_then_job_a(op, kwok) -> None:
     """Blockers hold all GPUs; job A arrives; then half of the GPUs free up."""
     for i in range(2):
         op.core.create_namespaced_pod(op.namespace, _blocker(kwok, f"blocker-{i}", f"kwok-gpu-{i}"))
-    wait_for("blockers running", lambda: all(
-        op.core.read_namespaced_pod(f"blocker-{i}", op.namespace).status.phase == "Running" for i in range(2)), 60)
+    wait_for(
+        "blockers running",
+        lambda: all(
+            op.core.read_namespaced_pod(f"blocker-{i}", op.namespace).status.phase == "Running" for i in range(2)
+        ),
+        60,
+    )
     op.create(_job(kwok, "job-a", None))
     op.wait_pods("job-a", _pod_names("job-a"), 60)
     op.core.delete_namespaced_pod("blocker-0", op.namespace, grace_period_seconds=0)
-    wait_for("4 GPUs free", lambda: "blocker-0" not in {p.metadata.name for p in op.core.list_namespaced_pod(op.namespace).items}, 60)
+    wait_for(
+        "4 GPUs free",
+        lambda: "blocker-0" not in {p.metadata.name for p in op.core.list_namespaced_pod(op.namespace).items},
+        60,
+    )
 
 
 def _job_b_arrives(op, kwok, program: Program, priority: str, without_gpu: int = WORKERS) -> None:
     """Job B arrives; waits until `without_gpu` of its workers were tried and found no GPU."""
     op.create(_job(kwok, "job-b", priority))
     op.wait_pods("job-b", _pod_names("job-b"), 60)
-    wait_for(f"{without_gpu} of job B's workers tried and found no GPU",
-             lambda: len(program.unschedulable_workers("job-b")) >= without_gpu, 120)
+    wait_for(
+        f"{without_gpu} of job B's workers tried and found no GPU",
+        lambda: len(program.unschedulable_workers("job-b")) >= without_gpu,
+        120,
+    )
     # Past the scheduler's longest retry back-off (10 s), every pending worker is waiting for a
     # change in the cluster, so the GPUs freed next go by priority (B first), not by whose back-off ends first.
     time.sleep(BACKOFF_S)
@@ -156,8 +188,12 @@ def _the_rest_frees_up(op) -> None:
 
 
 def _gpus_held_by_running_pods(op) -> int:
-    return sum(int((c.resources.requests or {}).get(GPU, 0)) for p in op.pods().values()
-               if p.spec.node_name and p.status.phase == "Running" for c in p.spec.containers)
+    return sum(
+        int((c.resources.requests or {}).get(GPU, 0))
+        for p in op.pods().values()
+        if p.spec.node_name and p.status.phase == "Running"
+        for c in p.spec.containers
+    )
 
 
 def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_operator, kwok_nodes, priority_class):
@@ -169,16 +205,25 @@ def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_ope
     program = Program(op, kwok)
 
     _busy_cluster_then_job_a(op, kwok)
-    wait_for("job A starts partially: 4 of its workers bound", lambda: sum(
-        "-worker-" in n for n in program.bound("job-a")) == 4, 180)
+    wait_for(
+        "job A starts partially: 4 of its workers bound",
+        lambda: sum("-worker-" in n for n in program.bound("job-a")) == 4,
+        180,
+    )
     _job_b_arrives(op, kwok, program, priority_class)
     _the_rest_frees_up(op)
 
-    wait_for("job B starts partially: 4 of its workers bound", lambda: sum(
-        "-worker-" in n for n in program.bound("job-b")) == 4, 180)
+    wait_for(
+        "job B starts partially: 4 of its workers bound",
+        lambda: sum("-worker-" in n for n in program.bound("job-b")) == 4,
+        180,
+    )
     # Deadlock: every GPU is held, each job waits for 2 more that only the other could give back.
-    wait_for("the rest of both jobs' workers unschedulable", lambda: len(program.unschedulable_workers("job-a")) == 2
-             and len(program.unschedulable_workers("job-b")) == 2, 180)
+    wait_for(
+        "the rest of both jobs' workers unschedulable",
+        lambda: len(program.unschedulable_workers("job-a")) == 2 and len(program.unschedulable_workers("job-b")) == 2,
+        180,
+    )
     # A bound pod runs once kwok, playing its kubelet, says so: poll rather than read it once.
     wait_for("every GPU held by a running worker", lambda: _gpus_held_by_running_pods(op) == 2 * GPUS_PER_NODE, 60)
     for job in ("job-a", "job-b"):
@@ -188,7 +233,9 @@ def test_without_gang_scheduling_both_jobs_start_partially_and_deadlock(tfps_ope
         assert running.get("reason") == "Unschedulable", running  # the job says why it waits
 
 
-def test_workload_api_gang_runs_one_job_whole_then_the_other(tfps_operator, kwok_nodes, priority_class, preempting_priority_class):
+def test_workload_api_gang_runs_one_job_whole_then_the_other(
+    tfps_operator, kwok_nodes, priority_class, preempting_priority_class
+):
     """The same sequence with Kubernetes' own gang scheduling (the chart's default where the
     Workload API is served). A gang is bound whole or not at all: job B runs to Succeeded while
     job A has no pod bound, then A runs.
@@ -204,7 +251,9 @@ def test_workload_api_gang_runs_one_job_whole_then_the_other(tfps_operator, kwok
     program = Program(op, kwok)
 
     _busy_cluster_then_job_a(op, kwok)
-    workload = op.custom.get_namespaced_custom_object("scheduling.k8s.io", "v1alpha1", op.namespace, "workloads", "job-a")
+    workload = op.custom.get_namespaced_custom_object(
+        "scheduling.k8s.io", "v1alpha1", op.namespace, "workloads", "job-a"
+    )
     assert workload["spec"]["podGroups"] == [{"name": "training", "policy": {"gang": {"minCount": 2 + WORKERS}}}]
     assert workload["metadata"]["ownerReferences"][0]["name"] == "job-a"
     # B takes the 4 GPUs A has reserved: at least its other 2 workers find none.
@@ -227,7 +276,11 @@ def test_workload_api_gang_runs_one_job_whole_then_the_other(tfps_operator, kwok
     wait_for("job B finishes", lambda: op.status("job-b").get("phase") == "Succeeded", 120)
     assert program.bound("job-a") == {} or len(program.bound("job-a")) == 2 + WORKERS  # never a partial start
     wait_for("job A bound whole once job B is done", lambda: len(program.bound("job-a")) == 2 + WORKERS, 120, 1)
-    wait_for("job A runs and finishes", lambda: program.finish_if_ready("job-a") and op.status("job-a").get("phase") == "Succeeded", 120)
+    wait_for(
+        "job A runs and finishes",
+        lambda: program.finish_if_ready("job-a") and op.status("job-a").get("phase") == "Succeeded",
+        120,
+    )
 
 
 def test_live_scale_up_keeps_the_gang(tfps_operator, kwok_nodes):
@@ -239,17 +292,25 @@ def test_live_scale_up_keeps_the_gang(tfps_operator, kwok_nodes):
     body = job_manifest("grow", ps=1, workers=2, template=_template(kwok))
     body["spec"]["runPolicy"] = {"schedulingPolicy": {}}
     op.create(body)
-    pods = wait_for("gang of 3 running", lambda: (p := op.pods("grow")) and len(p) == 3
-                    and all(x.status.phase == "Running" for x in p.values()) and p, 60)
+    pods = wait_for(
+        "gang of 3 running",
+        lambda: (p := op.pods("grow")) and len(p) == 3 and all(x.status.phase == "Running" for x in p.values()) and p,
+        60,
+    )
     before = {n: (p.metadata.uid, p.spec.node_name) for n, p in pods.items()}
     op.patch_spec("grow", {"replicaSpecs": {"Worker": {"replicas": 3}}})
-    after = wait_for("the new worker running", lambda: (p := op.pods("grow")) and len(p) == 4
-                     and all(x.status.phase == "Running" for x in p.values()) and p, 60)
+    after = wait_for(
+        "the new worker running",
+        lambda: (p := op.pods("grow")) and len(p) == 4 and all(x.status.phase == "Running" for x in p.values()) and p,
+        60,
+    )
     assert {n: (p.metadata.uid, p.spec.node_name) for n, p in after.items() if n in before} == before
     # (the kubernetes client's models postdate 1.35's pod field: read the pod as the API serves it)
     raw = json.loads(op.core.read_namespaced_pod("grow-worker-2", op.namespace, _preload_content=False).data)
     assert raw["spec"]["workloadRef"] == {"name": "grow", "podGroup": "training"}
-    workload = op.custom.get_namespaced_custom_object("scheduling.k8s.io", "v1alpha1", op.namespace, "workloads", "grow")
+    workload = op.custom.get_namespaced_custom_object(
+        "scheduling.k8s.io", "v1alpha1", op.namespace, "workloads", "grow"
+    )
     assert workload["spec"]["podGroups"][0]["policy"]["gang"]["minCount"] == 3
 
 
@@ -258,7 +319,11 @@ GANG_CRDS = {"coscheduling": "coscheduling-podgroups.yaml", "volcano": "volcano-
 
 def _gang_crds_dir(cluster) -> Path:
     versions = cluster.hack.read_versions()
-    return cluster.hack.cache_dir() / "crds" / f"gang-{versions['SCHEDULER_PLUGINS_VERSION']}-{versions['VOLCANO_APIS_VERSION']}"
+    return (
+        cluster.hack.cache_dir()
+        / "crds"
+        / f"gang-{versions['SCHEDULER_PLUGINS_VERSION']}-{versions['VOLCANO_APIS_VERSION']}"
+    )
 
 
 @pytest.mark.parametrize("backend", ["coscheduling", "volcano"])
@@ -276,12 +341,17 @@ def test_podgroups_match_the_published_crds(tfps_operator, cluster, backend):
     op = tfps_operator
     _restart_operator(op, backend)
     body = job_manifest("pg", ps=1, workers=2)
-    body["spec"]["runPolicy"] = {"schedulingPolicy": {"minAvailable": 3, "queue": "research", "scheduleTimeoutSeconds": 90}}
+    body["spec"]["runPolicy"] = {
+        "schedulingPolicy": {"minAvailable": 3, "queue": "research", "scheduleTimeoutSeconds": 90}
+    }
     op.create(body)
     pods = op.wait_pods("pg", {"pg-ps-0", "pg-worker-0", "pg-worker-1"})
     version = "v1alpha1" if backend == "coscheduling" else "v1beta1"
     stored = op.custom.get_namespaced_custom_object(group, version, op.namespace, "podgroups", "pg")
-    expected = {"minMember": 3, **({"scheduleTimeoutSeconds": 90} if backend == "coscheduling" else {"queue": "research"})}
+    expected = {
+        "minMember": 3,
+        **({"scheduleTimeoutSeconds": 90} if backend == "coscheduling" else {"queue": "research"}),
+    }
     assert {k: stored["spec"].get(k) for k in expected} == expected
     for pod in pods.values():
         if backend == "coscheduling":

@@ -5,6 +5,7 @@ runs; the first succeeds and its PS pod is cleaned up; then the second is admitt
 succeeds; at the end both Workloads are finished and the ClusterQueue uses nothing. Also: a crashed
 worker recreated into the group Kueue already admitted, and a suspended job's quota freed and its
 resumed run queued as a new group."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,10 @@ QUOTA = {"cpu": "2", "memory": "2Gi"}
 
 def _template(succeed_after: str | None = None) -> dict:
     meta = {"annotations": {kwok.SUCCEED_AFTER: succeed_after}} if succeed_after else {}
-    return {"metadata": meta, "spec": {**_placement(),
-                                       "containers": [{"name": "tensorflow", "resources": {"requests": REQUESTS}}]}}
+    return {
+        "metadata": meta,
+        "spec": {**_placement(), "containers": [{"name": "tensorflow", "resources": {"requests": REQUESTS}}]},
+    }
 
 
 def _job(name: str, worker_succeeds_after: str | None, queue_label: bool) -> dict:
@@ -83,24 +86,55 @@ def kueue_cluster(kueue_env, crds, namespace):
 
 def _queues(custom: client.CustomObjectsApi, namespace: str) -> str:
     flavor = f"tfps-{namespace}"
-    custom.create_cluster_custom_object(KUEUE, KUEUE_VERSION, "resourceflavors", {
-        "apiVersion": f"{KUEUE}/{KUEUE_VERSION}", "kind": "ResourceFlavor", "metadata": {"name": flavor}})
-    custom.create_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", {
-        "apiVersion": f"{KUEUE}/{KUEUE_VERSION}", "kind": "ClusterQueue", "metadata": {"name": flavor},
-        "spec": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
-                 "resourceGroups": [{"coveredResources": list(QUOTA), "flavors": [{
-                     "name": flavor, "resources": [{"name": r, "nominalQuota": q} for r, q in QUOTA.items()]}]}]}})
-    custom.create_namespaced_custom_object(KUEUE, KUEUE_VERSION, namespace, "localqueues", {
-        "apiVersion": f"{KUEUE}/{KUEUE_VERSION}", "kind": "LocalQueue", "metadata": {"name": "tfps-queue"},
-        "spec": {"clusterQueue": flavor}})
+    custom.create_cluster_custom_object(
+        KUEUE,
+        KUEUE_VERSION,
+        "resourceflavors",
+        {"apiVersion": f"{KUEUE}/{KUEUE_VERSION}", "kind": "ResourceFlavor", "metadata": {"name": flavor}},
+    )
+    custom.create_cluster_custom_object(
+        KUEUE,
+        KUEUE_VERSION,
+        "clusterqueues",
+        {
+            "apiVersion": f"{KUEUE}/{KUEUE_VERSION}",
+            "kind": "ClusterQueue",
+            "metadata": {"name": flavor},
+            "spec": {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                "resourceGroups": [
+                    {
+                        "coveredResources": list(QUOTA),
+                        "flavors": [
+                            {"name": flavor, "resources": [{"name": r, "nominalQuota": q} for r, q in QUOTA.items()]}
+                        ],
+                    }
+                ],
+            },
+        },
+    )
+    custom.create_namespaced_custom_object(
+        KUEUE,
+        KUEUE_VERSION,
+        namespace,
+        "localqueues",
+        {
+            "apiVersion": f"{KUEUE}/{KUEUE_VERSION}",
+            "kind": "LocalQueue",
+            "metadata": {"name": "tfps-queue"},
+            "spec": {"clusterQueue": flavor},
+        },
+    )
     return flavor
 
 
 def _delete_queues(custom: client.CustomObjectsApi, namespace: str) -> None:
     name = f"tfps-{namespace}"
-    for delete in (lambda: custom.delete_namespaced_custom_object(KUEUE, KUEUE_VERSION, namespace, "localqueues", "tfps-queue"),
-                   lambda: custom.delete_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", name),
-                   lambda: custom.delete_cluster_custom_object(KUEUE, KUEUE_VERSION, "resourceflavors", name)):
+    for delete in (
+        lambda: custom.delete_namespaced_custom_object(KUEUE, KUEUE_VERSION, namespace, "localqueues", "tfps-queue"),
+        lambda: custom.delete_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", name),
+        lambda: custom.delete_cluster_custom_object(KUEUE, KUEUE_VERSION, "resourceflavors", name),
+    ):
         try:
             delete()
         except ApiException as err:
@@ -122,8 +156,15 @@ def _condition(obj: dict | None, ctype: str) -> dict:
 def test_second_job_waits_for_the_quota_the_first_frees(kueue_cluster, crds, namespace, tmp_path):
     custom = client.CustomObjectsApi(crds.api)
     cq = _queues(custom, namespace)
-    wait_for("the ClusterQueue active", lambda: _condition(
-        custom.get_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", cq), "Active").get("status") == "True")
+    wait_for(
+        "the ClusterQueue active",
+        lambda: (
+            _condition(custom.get_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", cq), "Active").get(
+                "status"
+            )
+            == "True"
+        ),
+    )
 
     op = OperatorHarness(crds, namespace, tmp_path)
     op.start(config={"scheduling": {"queueing": "kueue", "gang": "none"}})
@@ -156,15 +197,21 @@ def _run_two_jobs(op: OperatorHarness, custom, cq: str) -> None:
     # The first job's worker runs until the test lets it finish (the annotation comes later).
     op.create(_job("first", worker_succeeds_after=None, queue_label=False))
     first = _group(op, "first")
-    wait_for("the first job's Workload admitted", lambda: _condition(
-        _workload(custom, ns, first), "Admitted").get("status") == "True", timeout=60)
+    wait_for(
+        "the first job's Workload admitted",
+        lambda: _condition(_workload(custom, ns, first), "Admitted").get("status") == "True",
+        timeout=60,
+    )
     op.wait_phase("first", "Running", timeout=60)
     assert {p.spec.node_name for p in op.pods("first").values()} == {NODE}
 
     op.create(_job("second", worker_succeeds_after="2s", queue_label=True))
     second = _group(op, "second")
-    held = wait_for("the second job's Workload pending for quota", lambda: (
-        c := _condition(_workload(custom, ns, second), "QuotaReserved")) and c["status"] == "False" and c, timeout=60)
+    held = wait_for(
+        "the second job's Workload pending for quota",
+        lambda: (c := _condition(_workload(custom, ns, second), "QuotaReserved")) and c["status"] == "False" and c,
+        timeout=60,
+    )
     assert "insufficient" in held["message"] or "quota" in held["message"], held
     # While the first runs, the second's pods exist but Kueue's gate keeps them off every node.
     assert op.status("first")["phase"] == "Running"
@@ -173,9 +220,18 @@ def _run_two_jobs(op: OperatorHarness, custom, cq: str) -> None:
         assert pod.spec.node_name is None
         assert pod.status.phase == "Pending"
     # ... and the job says why it is Pending.
-    waiting = wait_for("the second job's Running condition naming its queue", lambda: next(
-        (c for c in op.status("second").get("conditions") or [] if c["type"] == "Running"
-         and c["reason"] == "SchedulingGated"), None), timeout=30)
+    waiting = wait_for(
+        "the second job's Running condition naming its queue",
+        lambda: next(
+            (
+                c
+                for c in op.status("second").get("conditions") or []
+                if c["type"] == "Running" and c["reason"] == "SchedulingGated"
+            ),
+            None,
+        ),
+        timeout=30,
+    )
     assert op.status("second")["phase"] == "Pending"
     assert "until Kueue's queue" in waiting["message"] and waiting["status"] == "False", waiting
 
@@ -183,22 +239,38 @@ def _run_two_jobs(op: OperatorHarness, custom, cq: str) -> None:
     op.core.patch_namespaced_pod("first-worker-0", ns, {"metadata": {"annotations": {kwok.SUCCEED_AFTER: "1s"}}})
     op.wait_phase("first", "Succeeded", timeout=60)
     wait_for("the first job's PS pod gone", lambda: "first-ps-0" not in _all_pods(op, "first"), timeout=60)
-    done = wait_for("the first job's Workload finished", lambda: (
-        c := _condition(_workload(custom, ns, first), "Finished")) and c["status"] == "True" and c, timeout=60)
+    done = wait_for(
+        "the first job's Workload finished",
+        lambda: (c := _condition(_workload(custom, ns, first), "Finished")) and c["status"] == "True" and c,
+        timeout=60,
+    )
     assert done["reason"] == "Succeeded", done
 
     # Then the second is admitted, placed, runs and succeeds.
-    wait_for("the second job's Workload admitted", lambda: _condition(
-        _workload(custom, ns, second), "Admitted").get("status") == "True", timeout=60)
+    wait_for(
+        "the second job's Workload admitted",
+        lambda: _condition(_workload(custom, ns, second), "Admitted").get("status") == "True",
+        timeout=60,
+    )
     op.wait_phase("second", "Succeeded", timeout=90)
     wait_for("the second job's PS pod gone", lambda: "second-ps-0" not in _all_pods(op, "second"), timeout=60)
-    wait_for("the second job's Workload finished", lambda: _condition(
-        _workload(custom, ns, second), "Finished").get("status") == "True", timeout=60)
+    wait_for(
+        "the second job's Workload finished",
+        lambda: _condition(_workload(custom, ns, second), "Finished").get("status") == "True",
+        timeout=60,
+    )
 
     # Every pod of both jobs ran on the kwok node; nothing holds the queue's quota any more.
-    usage = wait_for("the ClusterQueue's quota released", lambda: (
-        s := custom.get_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", cq).get("status") or {}
-    ) and s.get("admittedWorkloads") == 0 and s.get("reservingWorkloads") == 0 and s, timeout=60)
+    usage = wait_for(
+        "the ClusterQueue's quota released",
+        lambda: (
+            (s := custom.get_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", cq).get("status") or {})
+            and s.get("admittedWorkloads") == 0
+            and s.get("reservingWorkloads") == 0
+            and s
+        ),
+        timeout=60,
+    )
     totals = {r["name"]: r["total"] for f in usage.get("flavorsUsage", []) for r in f["resources"]}
     assert set(totals) == set(QUOTA) and all(v in ("0", 0) for v in totals.values()), usage
 
@@ -222,21 +294,41 @@ def test_a_restarted_worker_rejoins_the_admitted_group(kueue_cluster, crds, name
         op.wait_phase("job", "Running", timeout=60)
         before = op.pods("job")["job-worker-0"].metadata.uid
         op.set_pod("job-worker-0", "Failed", exit_code=1)  # as its kubelet would report a crash
-        again = wait_for("a new job-worker-0 running", lambda: (
-            p := op.pods("job").get("job-worker-0")) and p.metadata.uid != before and p.status.phase == "Running" and p,
-            timeout=90)
+        again = wait_for(
+            "a new job-worker-0 running",
+            lambda: (
+                (p := op.pods("job").get("job-worker-0"))
+                and p.metadata.uid != before
+                and p.status.phase == "Running"
+                and p
+            ),
+            timeout=90,
+        )
         assert again.spec.node_name == NODE and not again.spec.scheduling_gates
         assert op.status("job")["restartCount"] == 1
         workload = _workload(custom, namespace, group)
         assert _condition(workload, "Admitted")["status"] == "True" and not _condition(workload, "Finished")
         # One Workload, counted once (ClusterQueue status is written a moment after admission).
-        wait_for("one job's quota in use", lambda: (s := custom.get_cluster_custom_object(
-            KUEUE, KUEUE_VERSION, "clusterqueues", cq).get("status") or {}).get("admittedWorkloads") == 1 and {
-            r["name"]: r["total"] for f in s.get("flavorsUsage", []) for r in f["resources"]} == QUOTA, timeout=30)
-        op.core.patch_namespaced_pod("job-worker-0", namespace, {"metadata": {"annotations": {kwok.SUCCEED_AFTER: "1s"}}})
+        wait_for(
+            "one job's quota in use",
+            lambda: (
+                (
+                    s := custom.get_cluster_custom_object(KUEUE, KUEUE_VERSION, "clusterqueues", cq).get("status") or {}
+                ).get("admittedWorkloads")
+                == 1
+                and {r["name"]: r["total"] for f in s.get("flavorsUsage", []) for r in f["resources"]} == QUOTA
+            ),
+            timeout=30,
+        )
+        op.core.patch_namespaced_pod(
+            "job-worker-0", namespace, {"metadata": {"annotations": {kwok.SUCCEED_AFTER: "1s"}}}
+        )
         op.wait_phase("job", "Succeeded", timeout=60)
-        wait_for("the Workload finished", lambda: _condition(
-            _workload(custom, namespace, group), "Finished").get("status") == "True", timeout=60)
+        wait_for(
+            "the Workload finished",
+            lambda: _condition(_workload(custom, namespace, group), "Finished").get("status") == "True",
+            timeout=60,
+        )
     except BaseException:
         _report(op, kueue_cluster)
         raise
@@ -271,8 +363,11 @@ def test_suspending_a_queued_job_frees_its_quota_and_resuming_queues_it_anew(kue
         op.patch_spec("job", {"runPolicy": {"suspend": False}})
         second = _group(op, "job")
         assert second != first  # a new group, admitted on its own
-        wait_for("the new group admitted", lambda: _condition(
-            _workload(custom, namespace, second), "Admitted").get("status") == "True", timeout=60)
+        wait_for(
+            "the new group admitted",
+            lambda: _condition(_workload(custom, namespace, second), "Admitted").get("status") == "True",
+            timeout=60,
+        )
         op.wait_phase("job", "Running", timeout=60)
         wait_for("the job's quota in use", lambda: usage() == QUOTA, timeout=30)
     except BaseException:

@@ -1,8 +1,8 @@
 """The fake GPU nodes the scheduling tests run on (hack/kwok.py), against the real control plane."""
+
 from __future__ import annotations
 
 from kubernetes import client
-
 from support import hack_module, wait_for
 
 
@@ -12,12 +12,23 @@ def test_a_kwok_nodes_pods_go_with_it(cluster, namespace, tmp_path):
     kwok = hack_module("kwok")
     core = client.CoreV1Api(cluster.api)
     node = kwok.node_manifest("kwok-gone-0", cpu="8", memory="32Gi", gpus=4)
-    pod = {"metadata": {"name": "holds-the-gpus"}, "spec": {
-        **kwok.placement(), "nodeName": "kwok-gone-0", "containers": [{"name": "c", "image": "tfps/worker:0.1.0",
-                                                                       "resources": {"limits": {"nvidia.com/gpu": "4"}}}]}}
+    pod = {
+        "metadata": {"name": "holds-the-gpus"},
+        "spec": {
+            **kwok.placement(),
+            "nodeName": "kwok-gone-0",
+            "containers": [
+                {"name": "c", "image": "tfps/worker:0.1.0", "resources": {"limits": {"nvidia.com/gpu": "4"}}}
+            ],
+        },
+    }
     with kwok.running(cluster.kubeconfig, [node], tmp_path / "kwok.log"):
         core.create_namespaced_pod(namespace, pod)
-        wait_for("the pod running", lambda: core.read_namespaced_pod("holds-the-gpus", namespace).status.phase == "Running", 60)
+        wait_for(
+            "the pod running",
+            lambda: core.read_namespaced_pod("holds-the-gpus", namespace).status.phase == "Running",
+            60,
+        )
 
     assert "kwok-gone-0" not in {n.metadata.name for n in core.list_node().items}
     left = [p.metadata.name for p in core.list_pod_for_all_namespaces(field_selector="spec.nodeName=kwok-gone-0").items]

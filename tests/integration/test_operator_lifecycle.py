@@ -1,5 +1,6 @@
 """The operator on the real control plane: the children it creates, the status it writes,
 a real run on the node (containers), and deletion."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,10 @@ def test_creates_service_and_pods_with_exact_tf_config(tfps_operator):
     names = {f"digits-ps-{i}" for i in range(2)} | {f"digits-worker-{i}" for i in range(4)}
     pods = op.wait_pods("digits", names)
 
-    cluster = {"ps": [f"digits-ps-{i}.digits.{ns}.svc:2222" for i in range(2)],
-               "worker": [f"digits-worker-{i}.digits.{ns}.svc:2222" for i in range(4)]}
+    cluster = {
+        "ps": [f"digits-ps-{i}.digits.{ns}.svc:2222" for i in range(2)],
+        "worker": [f"digits-worker-{i}.digits.{ns}.svc:2222" for i in range(4)],
+    }
     for name, pod in pods.items():
         rtype, index = name.split("-")[1], int(name.split("-")[2])
         assert tf_config(pod) == {"cluster": cluster, "task": {"type": rtype, "index": index}, "environment": "cloud"}
@@ -24,7 +27,12 @@ def test_creates_service_and_pods_with_exact_tf_config(tfps_operator):
         assert pod.metadata.labels["tfps.io/replica-type"] == rtype
         assert pod.metadata.labels["tfps.io/replica-index"] == str(index)
         (owner,) = pod.metadata.owner_references
-        assert (owner.kind, owner.name, owner.uid, owner.controller) == ("TrainingJob", "digits", job["metadata"]["uid"], True)
+        assert (owner.kind, owner.name, owner.uid, owner.controller) == (
+            "TrainingJob",
+            "digits",
+            job["metadata"]["uid"],
+            True,
+        )
         (c,) = pod.spec.containers
         assert c.name == "tensorflow" and c.args == [rtype if rtype == "ps" else "worker"]
         assert c.image == ("tfps/ps:0.1.0" if rtype == "ps" else "tfps/worker:0.1.0")
@@ -38,8 +46,10 @@ def test_creates_service_and_pods_with_exact_tf_config(tfps_operator):
     assert svc.spec.cluster_ip == "None" and svc.spec.selector == {"tfps.io/job-name": "digits"}
     assert svc.metadata.owner_references[0].uid == job["metadata"]["uid"]
 
-    status = wait_for("4 pending workers", lambda: (s := op.status("digits")).get("replicaStatuses", {}).get(
-        "Worker", {}).get("pending") == 4 and s)
+    status = wait_for(
+        "4 pending workers",
+        lambda: (s := op.status("digits")).get("replicaStatuses", {}).get("Worker", {}).get("pending") == 4 and s,
+    )
     assert status["phase"] == "Pending" and status["startTime"] and status["workersReady"] == "0/4"
     op.set_all("digits", "Running")
     status = op.wait_phase("digits", "Running")
@@ -62,9 +72,15 @@ def test_deleting_the_job_removes_every_child(tfps_operator):
 def test_custom_program_runs_on_the_node_and_succeeds(tfps_operator):
     """No `training`: the pods run the user's own program with TF_CONFIG (real containers)."""
     op, ns = tfps_operator, tfps_operator.namespace
-    program = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
-               "print('task', c['task']['type'], c['task']['index'], 'of', len(c['cluster']['worker']))")
-    template = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/worker:0.1.0", "command": ["python3", "-c", program]}]}}
+    program = (
+        "import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+        "print('task', c['task']['type'], c['task']['index'], 'of', len(c['cluster']['worker']))"
+    )
+    template = {
+        "spec": {
+            "containers": [{"name": "tensorflow", "image": "tfps/worker:0.1.0", "command": ["python3", "-c", program]}]
+        }
+    }
     body = job_manifest("own", ps=0, workers=2, template=template, policy="Never")
     del body["spec"]["training"]
     op.create(body)
@@ -78,7 +94,9 @@ def test_operator_metrics(tfps_operator):
     op.create(job_manifest("m", ps=1, workers=1))
     op.wait_pods("m", {"m-ps-0", "m-worker-0"})
     op.wait_phase("m", "Pending")
-    text = wait_for("operator metrics", lambda: (t := op.metrics()) and sample(t, "tfps_operator_jobs", phase="Pending") == 1 and t)
+    text = wait_for(
+        "operator metrics", lambda: (t := op.metrics()) and sample(t, "tfps_operator_jobs", phase="Pending") == 1 and t
+    )
     assert sample(text, "tfps_operator_pods_created_total") == 2
     assert sample(text, "tfps_operator_reconcile_seconds_count") >= 1
 
@@ -101,17 +119,33 @@ def test_progress_is_read_from_the_ps_metrics(tfps_operator):
     op = tfps_operator
     op.kill()
     op.start(config={"progressSeconds": 1})
-    ps = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/ps:0.1.0", "command": ["python3", "-c", PS_PROGRAM]}]}}
-    worker = {"spec": {"containers": [{"name": "tensorflow", "image": "tfps/worker:0.1.0",
-                                       "command": ["python3", "-c", "import time; time.sleep(600)"]}]}}
+    ps = {
+        "spec": {
+            "containers": [{"name": "tensorflow", "image": "tfps/ps:0.1.0", "command": ["python3", "-c", PS_PROGRAM]}]
+        }
+    }
+    worker = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "tensorflow",
+                    "image": "tfps/worker:0.1.0",
+                    "command": ["python3", "-c", "import time; time.sleep(600)"],
+                }
+            ]
+        }
+    }
     body = job_manifest("prog", ps=1, workers=1)
     del body["spec"]["training"]
     body["spec"]["replicaSpecs"]["PS"]["template"] = ps
     body["spec"]["replicaSpecs"]["Worker"]["template"] = worker
     op.create(body)
     op.wait_phase("prog", "Running", timeout=90)
-    progress = wait_for("progress with a rate", lambda: (p := op.status("prog").get("progress", {})).get(
-        "examplesPerSecond") and p.get("step", 0) > 10 and p, timeout=60)
+    progress = wait_for(
+        "progress with a rate",
+        lambda: (p := op.status("prog").get("progress", {})).get("examplesPerSecond") and p.get("step", 0) > 10 and p,
+        timeout=60,
+    )
     assert 0 < progress["loss"] < 0.1 and progress["examplesPerSecond"] > 0
     shown = op.cluster.kubectl("get", "tj", "prog", "-n", op.namespace, "--no-headers").stdout.split()
     assert shown[1] == "Running" and int(shown[4]) >= progress["step"]
@@ -127,7 +161,11 @@ def test_rendered_objects_are_valid_for_the_api_server(crds, namespace, tmp_path
     manifest = tmp_path / "job.yaml"
     gpu = {"spec": {"containers": [{"name": "tensorflow", "resources": {"limits": {"nvidia.com/gpu": 1}}}]}}
     manifest.write_text(yaml.safe_dump(job_manifest("render", ps=2, workers=2, template=gpu, chief=1)))
-    out = subprocess.run([sys.executable, "-m", "tfps.cli.main", "render", str(manifest), "-n", namespace],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "tfps.cli.main", "render", str(manifest), "-n", namespace],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     proc = crds.kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=out)
     assert proc.stdout.count("(server dry run)") == 6  # the Service and 5 pods

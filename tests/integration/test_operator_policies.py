@@ -1,5 +1,6 @@
 """Restart policies, backoff, success policies and cleanPodPolicy on the real control plane.
 Pod phases and exit codes are written through the API, as a kubelet would write them."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,7 +58,10 @@ def test_backoff_limit_exhausted_fails_the_job(tfps_operator):
     for attempt in (1, 2):
         uid = _uid(op, "b", "b-worker-0")
         op.set_pod("b-worker-0", "Failed", exit_code=1)
-        wait_for(f"restart {attempt}", lambda uid=uid: "b-worker-0" in (p := op.pods("b")) and p["b-worker-0"].metadata.uid != uid)
+        wait_for(
+            f"restart {attempt}",
+            lambda uid=uid: "b-worker-0" in (p := op.pods("b")) and p["b-worker-0"].metadata.uid != uid,
+        )
         op.set_pod("b-worker-0", "Running")
     op.set_pod("b-worker-0", "Failed", exit_code=1)
     status = op.wait_phase("b", "Failed")
@@ -90,7 +94,9 @@ def test_ps_failure_restarts_the_ps_and_the_job_keeps_running(tfps_operator):
     assert {n: p.metadata.uid for n, p in op.pods("ps").items() if "worker" in n} == workers  # workers untouched
 
 
-@pytest.mark.parametrize("success_policy,finish", [("", ["s-worker-0"]), ("AllWorkers", ["s-worker-0", "s-worker-1", "s-worker-2"])])
+@pytest.mark.parametrize(
+    "success_policy,finish", [("", ["s-worker-0"]), ("AllWorkers", ["s-worker-0", "s-worker-1", "s-worker-2"])]
+)
 def test_success_policies(tfps_operator, success_policy, finish):
     op = tfps_operator
     op.create(job_manifest("s", ps=1, workers=3, successPolicy=success_policy))
@@ -98,7 +104,10 @@ def test_success_policies(tfps_operator, success_policy, finish):
     for name in finish[:-1]:
         op.set_pod(name, "Succeeded", exit_code=0)
     if finish[:-1]:
-        wait_for("status sees the finished workers", lambda: op.status("s")["replicaStatuses"]["Worker"]["succeeded"] == len(finish) - 1)
+        wait_for(
+            "status sees the finished workers",
+            lambda: op.status("s")["replicaStatuses"]["Worker"]["succeeded"] == len(finish) - 1,
+        )
         assert op.status("s")["phase"] == "Running"
     op.set_pod(finish[-1], "Succeeded", exit_code=0)
     status = op.wait_phase("s", "Succeeded")
@@ -118,8 +127,9 @@ def test_chief_success_decides(tfps_operator):
     assert "Chief" in op.condition("c", "Succeeded")["message"]
 
 
-@pytest.mark.parametrize("policy,left", [("Running", {"x-worker-0"}), ("All", set()),
-                                         ("None", {"x-ps-0", "x-worker-0", "x-worker-1"})])
+@pytest.mark.parametrize(
+    "policy,left", [("Running", {"x-worker-0"}), ("All", set()), ("None", {"x-ps-0", "x-worker-0", "x-worker-1"})]
+)
 def test_clean_pod_policy(tfps_operator, policy, left):
     op = tfps_operator
     op.create(job_manifest("x", ps=1, workers=2, run_policy={"cleanPodPolicy": policy}))

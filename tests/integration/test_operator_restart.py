@@ -1,13 +1,14 @@
 """The operator as a process that can die: killed mid-creation and restarted, it leaves
 exactly the right pods; two replicas elect a leader and the standby takes over."""
+
 from __future__ import annotations
 
 import json
 import urllib.request
 
 import pytest
-from kubernetes.client.rest import ApiException
 from conftest import job_manifest
+from kubernetes.client.rest import ApiException
 from support import sample, scrape, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -44,10 +45,15 @@ def test_operator_killed_mid_creation_leaves_exactly_the_right_pods(tfps_operato
     wait_for(f"{len(expected)} pods", lambda: set(_pod_uids(op, "big")) == expected, timeout=90)
     now = _pod_uids(op, "big")
     assert {name: now[name] for name in at_kill} == at_kill  # none deleted and recreated
-    status = wait_for("status counts every pod", lambda: (s := op.status("big")).get("replicaStatuses", {}).get(
-        "Worker", {}).get("pending") == WORKERS and s, timeout=60)
+    status = wait_for(
+        "status counts every pod",
+        lambda: (s := op.status("big")).get("replicaStatuses", {}).get("Worker", {}).get("pending") == WORKERS and s,
+        timeout=60,
+    )
     # (the pods are held unschedulable: the Running condition says so, status False)
-    assert status["restartCount"] == 0 and [c["type"] for c in status["conditions"] if c["status"] == "True"] == ["Created"]
+    assert status["restartCount"] == 0 and [c["type"] for c in status["conditions"] if c["status"] == "True"] == [
+        "Created"
+    ]
     wait_for("the late job's pods", lambda: set(_pod_uids(op, "late")) == {"late-ps-0", "late-worker-0"})
     # A spec change makes the operator reconcile the big job once more (observedGeneration says
     # when): that pass, which saw every pod, creates nothing more.
@@ -59,7 +65,9 @@ def test_operator_killed_mid_creation_leaves_exactly_the_right_pods(tfps_operato
 
 def _healthy(port: int) -> bool:
     try:
-        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://127.0.0.1:{port}/healthz", timeout=2
+        ) as resp:
             return resp.status == 200
     except OSError:
         return False
@@ -67,7 +75,9 @@ def _healthy(port: int) -> bool:
 
 def _peers(op) -> dict | None:
     try:
-        return op.custom.get_namespaced_custom_object("kopf.dev", "v1", op.namespace, "kopfpeerings", "tfps").get("status")
+        return op.custom.get_namespaced_custom_object("kopf.dev", "v1", op.namespace, "kopfpeerings", "tfps").get(
+            "status"
+        )
     except ApiException as err:
         if err.status == 404:  # the operator creates it when it starts
             return None
@@ -96,8 +106,11 @@ def test_two_replicas_elect_a_leader_and_the_standby_takes_over(tfps_operator):
     op.kill(leader)
     uid = _pod_uids(op, "le")["le-worker-1"]
     op.set_pod("le-worker-1", "Failed", exit_code=1)
-    wait_for("the standby recreates the failed worker",
-             lambda: _pod_uids(op, "le").get("le-worker-1") not in (None, uid), timeout=60)
+    wait_for(
+        "the standby recreates the failed worker",
+        lambda: _pod_uids(op, "le").get("le-worker-1") not in (None, uid),
+        timeout=60,
+    )
     assert standby.poll() is None and "Resuming operations" in (op.log_dir / "operator-2.log").read_text()
     assert sorted(_pod_uids(op, "le")) == ["le-ps-0", "le-worker-0", "le-worker-1"]
     assert op.status("le")["restartCount"] == 1

@@ -1,4 +1,5 @@
 """Time and spec changes on the real control plane: deadline, TTL, suspend/resume, live scaling."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,11 +37,15 @@ def test_suspend_deletes_pods_and_resume_recreates_them(tfps_operator):
     op.wait_pods("s", names)
     op.set_all("s")
     op.wait_phase("s", "Running")
-    op.cluster.kubectl("patch", "tj", "s", "-n", op.namespace, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}')
+    op.cluster.kubectl(
+        "patch", "tj", "s", "-n", op.namespace, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":true}}}'
+    )
     op.wait_phase("s", "Suspended")
     wait_for("pods deleted", lambda: not op.pods("s"))
     assert op.condition("s", "Suspended")["status"] == "True" and op.condition("s", "Running")["status"] == "False"
-    op.cluster.kubectl("patch", "tj", "s", "-n", op.namespace, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":false}}}')
+    op.cluster.kubectl(
+        "patch", "tj", "s", "-n", op.namespace, "--type=merge", "-p", '{"spec":{"runPolicy":{"suspend":false}}}'
+    )
     op.wait_pods("s", names)
     op.set_all("s")
     op.wait_phase("s", "Running")

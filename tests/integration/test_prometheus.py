@@ -10,6 +10,7 @@ targets carry the `__meta_kubernetes_*` labels their pods would have, and the Po
 selector, jobLabel, honorLabels and relabelings turn them into the series the dashboard
 selects (hack/prometheus.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support import hack_module, wait_for
 
 from tfps.api import naming, tfconfig
-from tfps.runtime.ports import free_port
 from tfps.api.spec import ReplicaType, TrainingJobSpec
-
-from support import hack_module, wait_for
+from tfps.runtime.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -66,9 +66,24 @@ def _podmonitor() -> dict:
     helm = _helm()
     if helm is None:
         pytest.fail("helm not built: run hack/build-cluster.sh (the PodMonitor is rendered from the chart)")
-    out = subprocess.run([helm, "template", "tfps", str(CHART), "--namespace", "monitoring",
-                          "--set", "monitoring.podMonitor.enabled=true", "--show-only", "templates/podmonitor.yaml"],
-                         capture_output=True, text=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        [
+            helm,
+            "template",
+            "tfps",
+            str(CHART),
+            "--namespace",
+            "monitoring",
+            "--set",
+            "monitoring.podMonitor.enabled=true",
+            "--show-only",
+            "templates/podmonitor.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
     return yaml.safe_load(out)
 
 
@@ -79,12 +94,18 @@ class Run:
         self.namespace, self.workdir = namespace, workdir
         # A loopback /24 of its own, like a node's pod CIDR; ports are the pods' fixed ones.
         self.subnet = f"127.{random.randint(64, 250)}.{random.randint(0, 255)}"
-        self.spec = TrainingJobSpec.model_validate({
-            "replicaSpecs": {"PS": {"replicas": 1}, "Worker": {"replicas": 2}},
-            "training": {"model": "digits-mlp", "batchSize": 32, "steps": 1_000_000,
-                         "optimizer": {"name": "adam", "learningRate": 0.001},
-                         "consistency": {"mode": "sync"}},
-        })
+        self.spec = TrainingJobSpec.model_validate(
+            {
+                "replicaSpecs": {"PS": {"replicas": 1}, "Worker": {"replicas": 2}},
+                "training": {
+                    "model": "digits-mlp",
+                    "batchSize": 32,
+                    "steps": 1_000_000,
+                    "optimizer": {"name": "adam", "learningRate": 0.001},
+                    "consistency": {"mode": "sync"},
+                },
+            }
+        )
         self.procs: dict[str, subprocess.Popen] = {}
 
     def ip(self, rtype: ReplicaType, index: int) -> str:
@@ -95,8 +116,9 @@ class Run:
         return [(t, i) for t in (ReplicaType.PS, ReplicaType.WORKER) for i in range(self.spec.replicas(t))]
 
     def env(self, rtype: ReplicaType, index: int) -> dict[str, str]:
-        cfg = tfconfig.tf_config(JOB, self.namespace, self.spec, rtype, index,
-                                 address=lambda t, i: f"{self.ip(t, i)}:{naming.GRPC_PORT}")
+        cfg = tfconfig.tf_config(
+            JOB, self.namespace, self.spec, rtype, index, address=lambda t, i: f"{self.ip(t, i)}:{naming.GRPC_PORT}"
+        )
         return {
             **os.environ,
             naming.ENV_TF_CONFIG: json.dumps(cfg),
@@ -115,16 +137,27 @@ class Run:
         for rtype, index in self.replicas():
             name = naming.pod_name(JOB, rtype, index)
             log = open(self.workdir / f"{name}.log", "wb")
-            self.procs[name] = subprocess.Popen([tfps, rtype.task_type], env=self.env(rtype, index),
-                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs[name] = subprocess.Popen(
+                [tfps, rtype.task_type],
+                env=self.env(rtype, index),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def targets(self) -> list:
 
-        return [prom.PodTarget(namespace=self.namespace, name=naming.pod_name(JOB, t, i),
-                               address=f"{self.ip(t, i)}:{naming.METRICS_PORT}",
-                               labels=naming.replica_labels(JOB, t, i), port_name=naming.METRICS_PORT_NAME,
-                               container=naming.CONTAINER_NAME)
-                for t, i in self.replicas()]
+        return [
+            prom.PodTarget(
+                namespace=self.namespace,
+                name=naming.pod_name(JOB, t, i),
+                address=f"{self.ip(t, i)}:{naming.METRICS_PORT}",
+                labels=naming.replica_labels(JOB, t, i),
+                port_name=naming.METRICS_PORT_NAME,
+                container=naming.CONTAINER_NAME,
+            )
+            for t, i in self.replicas()
+        ]
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
@@ -164,6 +197,7 @@ def scraped_run(tmp_path_factory):
     try:
         api.wait_ready(timeout=90)
         sel = f'namespace="{namespace}", job="{JOB}"'
+
         def scraped_enough():
             run.check_alive()
             targets = api.get("/api/v1/targets")["activeTargets"]
@@ -172,8 +206,14 @@ def scraped_run(tmp_path_factory):
             samples = api.query(f"min(count_over_time(tfps_worker_steps_total{{{sel}}}[1m]))")["result"]
             stepping = api.query(f"sum(rate(tfps_worker_steps_total{{{sel}}}[{RATE_INTERVAL}])) > 0")["result"]
             ps_samples = api.query(f"min(count_over_time(tfps_ps_global_step{{{sel}}}[1m]))")["result"]
-            return (len(up) == len(run.procs) and samples and float(samples[0]["value"][1]) >= 12 and stepping
-                    and ps_samples and float(ps_samples[0]["value"][1]) >= 12)
+            return (
+                len(up) == len(run.procs)
+                and samples
+                and float(samples[0]["value"][1]) >= 12
+                and stepping
+                and ps_samples
+                and float(ps_samples[0]["value"][1]) >= 12
+            )
 
         wait_for("every replica scraped while the workers step", scraped_enough, timeout=300, interval=1)
         yield api, namespace, run, workdir
@@ -188,8 +228,12 @@ def scraped_run(tmp_path_factory):
 
 
 def _substitute(expr: str, namespace: str) -> str:
-    return (expr.replace("$namespace", namespace).replace("$job", JOB)
-            .replace("$__rate_interval", RATE_INTERVAL).replace("$__interval", SCRAPE_INTERVAL))
+    return (
+        expr.replace("$namespace", namespace)
+        .replace("$job", JOB)
+        .replace("$__rate_interval", RATE_INTERVAL)
+        .replace("$__interval", SCRAPE_INTERVAL)
+    )
 
 
 def _panels():
@@ -199,11 +243,21 @@ def _panels():
 def test_targets_get_pod_labels_like_the_podmonitor_gives(scraped_run):
     api, namespace, run, _ = scraped_run
     up = api.query(f'up{{namespace="{namespace}"}}')["result"]
-    got = sorted((s["metric"]["job"], s["metric"]["pod"], s["metric"]["instance"], s["metric"]["replica_type"],
-                  s["metric"]["replica_index"]) for s in up)
-    assert got == [(JOB, "digits-ps-0", "digits-ps-0", "ps", "0"),
-                   (JOB, "digits-worker-0", "digits-worker-0", "worker", "0"),
-                   (JOB, "digits-worker-1", "digits-worker-1", "worker", "1")]
+    got = sorted(
+        (
+            s["metric"]["job"],
+            s["metric"]["pod"],
+            s["metric"]["instance"],
+            s["metric"]["replica_type"],
+            s["metric"]["replica_index"],
+        )
+        for s in up
+    )
+    assert got == [
+        (JOB, "digits-ps-0", "digits-ps-0", "ps", "0"),
+        (JOB, "digits-worker-0", "digits-worker-0", "worker", "0"),
+        (JOB, "digits-worker-1", "digits-worker-1", "worker", "1"),
+    ]
     # honorLabels: the labels the processes export win over the target's (no exported_job).
     steps = api.query(f'tfps_worker_steps_total{{namespace="{namespace}"}}')["result"]
     assert {s["metric"]["job"] for s in steps} == {JOB}
@@ -246,8 +300,9 @@ def test_external_allow_list_is_exactly_the_gpu_panel():
 
 def test_alert_rules_pass_promtool(scraped_run):
     _, _, _, workdir = scraped_run
-    proc = subprocess.run(["promtool", "check", "rules", str(workdir / "rules.yaml")],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(workdir / "rules.yaml")], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout
 
@@ -259,6 +314,7 @@ def test_every_alert_expression_evaluates(scraped_run):
     for rule in rules:
         data = api.query(rule["expr"])  # raises when Prometheus cannot parse or evaluate it
         assert data["resultType"] == "vector", rule["alert"]
+
     # Prometheus also loaded the same rules and evaluates them every second without error.
     def all_evaluated_ok():
         loaded = {r["name"]: r for g in api.get("/api/v1/rules")["groups"] for r in g["rules"]}

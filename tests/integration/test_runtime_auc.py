@@ -3,6 +3,7 @@ examples/wide-deep.yaml (2 PS, 2 workers, bounded staleness, a 100k-id vocabular
 test split's ROC AUC next to its accuracy. The data's own AUC (the generator's true logits) is
 0.91 and a model that learned nothing scores 0.5; this run reaches about 0.85. (On the cluster
 the same example runs in tests/e2e/test_helm_examples.py, its AUC in status.progress.auc.)"""
+
 import json
 import subprocess
 import sys
@@ -17,8 +18,12 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "wide-deep.yaml"
 
 
 def test_wide_deep_reaches_the_stated_auc_and_reports_it():
-    out = subprocess.run([sys.executable, "-m", "tfps.cli.main", "local", str(EXAMPLE), "--json", "--no-progress"],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "tfps.cli.main", "local", str(EXAMPLE), "--json", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["phase"] == "Succeeded" and result["steps"] == 600

@@ -3,21 +3,27 @@
 - sync: N workers x batch B give the same parameters as 1 worker x batch N*B.
 - async and bounded converge on digits-mlp.
 """
+
 import numpy as np
 import pytest
+from support import wait_for
 
+from tfps.api.spec import TrainingSpec
 from tfps.runtime import wire
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.api.spec import TrainingSpec
-
-from support import wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def _training(**kw) -> TrainingSpec:
-    base = {"model": "digits-mlp", "seed": 0, "steps": 20, "batchSize": 16, "optimizer": {"name": "sgd", "learningRate": 0.1},
-            "consistency": {"mode": "sync"}}
+    base = {
+        "model": "digits-mlp",
+        "seed": 0,
+        "steps": 20,
+        "batchSize": 16,
+        "optimizer": {"name": "sgd", "learningRate": 0.1},
+        "consistency": {"mode": "sync"},
+    }
     base.update(kw)
     return TrainingSpec.model_validate(base)
 
@@ -30,7 +36,11 @@ def _final_params(training: TrainingSpec, num_ps: int, num_workers: int) -> dict
         return cluster.parameters()
 
 
-LARGE = {"model": "mlp", "modelArgs": {"inputDim": 784, "hidden": [1200, 1200], "samples": 256, "testSamples": 32}, "steps": 4}
+LARGE = {
+    "model": "mlp",
+    "modelArgs": {"inputDim": 784, "hidden": [1200, 1200], "samples": 256, "testSamples": 32},
+    "steps": 4,
+}
 
 
 @pytest.mark.parametrize(
@@ -78,8 +88,12 @@ def test_async_modes_converge_on_digits(mode):
     second moment shrinks with the gradients, and one stale gradient then moves every weight by
     a few learning rates.
     SGD at 0.1 gave 0.947 or more in 70 runs (40 async, 30 bounded) beside two busy processes."""
-    training = _training(steps=1200, batchSize=32, optimizer={"name": "sgd", "learningRate": 0.1},
-                         consistency={"mode": mode, "staleness": 2})
+    training = _training(
+        steps=1200,
+        batchSize=32,
+        optimizer={"name": "sgd", "learningRate": 0.1},
+        consistency={"mode": mode, "staleness": 2},
+    )
     with InProcessCluster(training, num_ps=2, num_workers=2) as cluster:
         workers, result = cluster.train()
         assert result["accuracy"] >= 0.92
@@ -101,11 +115,21 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
     from tfps.runtime.metrics import Identity, WorkerMetrics
     from tfps.runtime.worker import Worker
 
-    training = _training(steps=240, batchSize=16, optimizer={"name": "adam", "learningRate": 0.003}, consistency={"mode": mode})
+    training = _training(
+        steps=240, batchSize=16, optimizer={"name": "adam", "learningRate": 0.003}, consistency={"mode": mode}
+    )
     with InProcessCluster(training, num_ps=2, num_workers=2) as cluster:
+
         def late_worker():
             wait_for("step 40", lambda: cluster.shards[0].version >= 40, timeout=120, interval=0.05)
-            worker = Worker(cluster.model(), training, cluster.addresses, 3, 2, WorkerMetrics(Identity("inprocess", "default", "worker", 2)))
+            worker = Worker(
+                cluster.model(),
+                training,
+                cluster.addresses,
+                3,
+                2,
+                WorkerMetrics(Identity("inprocess", "default", "worker", 2)),
+            )
             try:
                 worker.run()
                 joined.append(worker)
@@ -121,7 +145,17 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
         assert all(s.consistency.num_workers == 3 for s in cluster.shards)
         assert all(w.batches.num_workers == 3 for w in workers + joined)
         assert result["accuracy"] >= 0.3
-        rejected = cluster.shards[0].metrics.registry.get_sample_value(
-            "tfps_ps_rejected_requests_total",
-            {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0", "reason": "malformed"}) or 0
+        rejected = (
+            cluster.shards[0].metrics.registry.get_sample_value(
+                "tfps_ps_rejected_requests_total",
+                {
+                    "job": "inprocess",
+                    "namespace": "default",
+                    "replica_type": "ps",
+                    "replica_index": "0",
+                    "reason": "malformed",
+                },
+            )
+            or 0
+        )
         assert rejected == 0

@@ -2,30 +2,37 @@
 the PS offers one, and over gRPC when it does not or when told not to; the port admits only
 the job's token; frames it cannot read are refused, counted, and change nothing.
 Real PS servers and workers in one process, real sockets on 127.0.0.1."""
+
 import socket
 import time
 
 import grpc
 import numpy as np
 import pytest
+from support import wait_for
 
+from tfps.api.naming import ENV_DATA_PATH
+from tfps.api.spec import TrainingSpec
 from tfps.runtime import wire
 from tfps.runtime.auth import Material, ServerSecurity
-from tfps.api.naming import ENV_DATA_PATH
 from tfps.runtime.datapath import FRAME, DataConnection, DataPathError
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.metrics import Identity, PSMetrics, WorkerMetrics
 from tfps.runtime.ps import Shard, serve
 from tfps.runtime.sharding import place
-from tfps.api.spec import TrainingSpec
 from tfps.runtime.worker import Worker
-
-from support import wait_for
 
 pytestmark = pytest.mark.integration
 
-TRAINING = TrainingSpec.model_validate({"model": "digits-mlp", "modelArgs": {"hidden": [16]}, "steps": 1000,
-                                        "consistency": {"mode": "async"}, "optimizer": {"name": "sgd", "learningRate": 0.1}})
+TRAINING = TrainingSpec.model_validate(
+    {
+        "model": "digits-mlp",
+        "modelArgs": {"hidden": [16]},
+        "steps": 1000,
+        "consistency": {"mode": "async"},
+        "optimizer": {"name": "sgd", "learningRate": 0.1},
+    }
+)
 LABELS = {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0"}
 
 
@@ -77,11 +84,19 @@ def test_a_worker_told_not_to_uses_grpc(cluster, monkeypatch):
 
 def test_a_ps_without_a_data_port_is_reached_over_grpc():
     model = InProcessCluster(TRAINING).model()
-    shard = Shard(place(model.params, 1).for_ps(0), {p.name: p for p in model.params}, TRAINING, 1, 0,
-                  PSMetrics(Identity("inprocess", "default", "ps", 0)))
+    shard = Shard(
+        place(model.params, 1).for_ps(0),
+        {p.name: p for p in model.params},
+        TRAINING,
+        1,
+        0,
+        PSMetrics(Identity("inprocess", "default", "ps", 0)),
+    )
     server, port = serve(shard, "127.0.0.1:0", data_port=None)
     try:
-        worker = Worker(model, TRAINING, [f"127.0.0.1:{port}"], 1, 0, WorkerMetrics(Identity("inprocess", "default", "worker", 0)))
+        worker = Worker(
+            model, TRAINING, [f"127.0.0.1:{port}"], 1, 0, WorkerMetrics(Identity("inprocess", "default", "worker", 0))
+        )
         worker.pull()
         worker.train_step()
         assert worker.clients[0].status()["data_port"] is None
@@ -137,8 +152,12 @@ def test_a_frame_cut_short_is_counted_and_changes_nothing(cluster):
     message = wire.encode({"worker": 0, "tag": version, "pull": False, "batch": 1}, grads)
     with _hello(cluster.servers[0].data_port) as sock:
         sock.sendall(FRAME.pack(len(message)) + message[: len(message) // 2])
-    wait_for("the truncated frame counted", lambda: _sample(shard, "tfps_ps_rejected_requests_total", reason="truncated") == count + 1,
-             timeout=5, interval=0.05)
+    wait_for(
+        "the truncated frame counted",
+        lambda: _sample(shard, "tfps_ps_rejected_requests_total", reason="truncated") == count + 1,
+        timeout=5,
+        interval=0.05,
+    )
     assert shard.version == version
     for name, value in cluster.parameters().items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
@@ -146,8 +165,14 @@ def test_a_frame_cut_short_is_counted_and_changes_nothing(cluster):
 
 def test_the_data_port_admits_only_the_jobs_token():
     model = InProcessCluster(TRAINING).model()
-    shard = Shard(place(model.params, 1).for_ps(0), {p.name: p for p in model.params}, TRAINING, 1, 0,
-                  PSMetrics(Identity("inprocess", "default", "ps", 0)))
+    shard = Shard(
+        place(model.params, 1).for_ps(0),
+        {p.name: p for p in model.params},
+        TRAINING,
+        1,
+        0,
+        PSMetrics(Identity("inprocess", "default", "ps", 0)),
+    )
     server, _ = serve(shard, "127.0.0.1:0", security=ServerSecurity(Material(b"the-job-token")))
     try:
         for wrong in (Material(b"another-token"), None):
@@ -178,7 +203,7 @@ def test_a_frame_that_comes_in_pieces_is_read_whole_and_a_silent_connection_is_c
     with _hello(cluster.servers[0].data_port) as sock:
         frame = FRAME.pack(len(message)) + message
         for start in range(0, len(frame), len(frame) // 4 + 1):
-            sock.sendall(frame[start:start + len(frame) // 4 + 1])
+            sock.sendall(frame[start : start + len(frame) // 4 + 1])
             time.sleep(0.1)
         size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
         reply = wire.decode(sock.recv(size, socket.MSG_WAITALL))
@@ -216,7 +241,7 @@ def test_a_worker_that_stops_mid_frame_holds_no_other_worker_up(cluster):
         finally:
             worker.close()
         assert shard.version == version + 3
-        sock.sendall(frame[len(frame) // 2:])
+        sock.sendall(frame[len(frame) // 2 :])
         size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
         reply = wire.decode(sock.recv(size, socket.MSG_WAITALL))
         assert "error" not in reply.meta and reply.meta["version"] == version + 4
@@ -255,11 +280,20 @@ def test_a_push_whose_connection_breaks_before_its_reply_is_read_is_made_again_a
         try:
             versions = [s.version for s in cluster.shards]
             loss, grads, routes, batch = worker._compute(worker.clock)
-            sent = worker._send(list(worker.versions), worker.plan.split_push(worker.dense_vars, grads, routes),
-                                {"pull": True, "batch": batch, "loss": loss}, [{} for _ in worker.clients], {})
+            sent = worker._send(
+                list(worker.versions),
+                worker.plan.split_push(worker.dense_vars, grads, routes),
+                {"pull": True, "batch": batch, "loss": loss},
+                [{} for _ in worker.clients],
+                {},
+            )
             with pytest.raises(RuntimeError, match="still to be read"):
                 worker.clients[0]._data.call(wire.pieces({"tag": -1, "pull": True}, {}))
-            wait_for("both PS to apply the push", lambda: [s.version for s in cluster.shards] == [v + 1 for v in versions], timeout=10)
+            wait_for(
+                "both PS to apply the push",
+                lambda: [s.version for s in cluster.shards] == [v + 1 for v in versions],
+                timeout=10,
+            )
             broken = worker.clients[1]._data
             broken.sock.close()  # the reply, sent, is never read
             worker._update_state(worker._finish(sent))
@@ -293,6 +327,8 @@ def test_a_variable_split_over_two_ps_reaches_the_worker_whole(data_path, wire_d
             np.testing.assert_array_equal(np.asarray(got).view(np.uint8), held.view(np.uint8))
             assert (worker._joined._arrays.get("dense_0/kernel") is not None) == data_path
             assert [c._data for c in worker.clients] == connections
-            assert sum(_sample(s, "tfps_ps_data_connections", replica_index=str(s.index)) for s in cluster.shards) == (2 if data_path else 0)
+            assert sum(_sample(s, "tfps_ps_data_connections", replica_index=str(s.index)) for s in cluster.shards) == (
+                2 if data_path else 0
+            )
         finally:
             worker.close()

@@ -1,20 +1,27 @@
 """Worker 0 exports the trained model as a SavedModel (spec.training.exportPath) that
 serves the same predictions the evaluation measured."""
+
 import pytest
 import tensorflow as tf
 
-from tfps.runtime.inprocess import InProcessCluster
 from tfps.api.spec import TrainingSpec
+from tfps.runtime.inprocess import InProcessCluster
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("model, args", [("digits-mlp", {}), ("wide-deep", {"vocabSize": 2000, "fields": 4})])
 def test_exported_model_serves_the_trained_parameters(tmp_path, model, args):
-    training = TrainingSpec.model_validate({
-        "model": model, "modelArgs": args, "steps": 150, "batchSize": 32,
-        "optimizer": {"name": "adam", "learningRate": 0.01}, "exportPath": str(tmp_path / "export"),
-    })
+    training = TrainingSpec.model_validate(
+        {
+            "model": model,
+            "modelArgs": args,
+            "steps": 150,
+            "batchSize": 32,
+            "optimizer": {"name": "adam", "learningRate": 0.01},
+            "exportPath": str(tmp_path / "export"),
+        }
+    )
     with InProcessCluster(training, num_ps=2, num_workers=1) as cluster:
         _, result = cluster.train()
         test = cluster.model().data()[1]

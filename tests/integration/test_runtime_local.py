@@ -4,17 +4,17 @@
 - a PS killed with SIGKILL mid-run is restarted, restores its checkpoint, and the run ends
   within 1 accuracy point of the undisturbed one; likewise a killed worker.
 """
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from tfps.runtime.local import Fault, LocalRun
-from tfps.api.spec import load_manifest
-
 from support import sample, scrape
+
+from tfps.api.spec import load_manifest
+from tfps.runtime.local import Fault, LocalRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -25,7 +25,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 def undisturbed():
     out = subprocess.run(
         [sys.executable, "-m", "tfps.cli.main", "local", str(EXAMPLE), "--json", "--no-progress"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -69,7 +71,9 @@ def test_sigkill_mid_run_recovers(undisturbed, victim, tmp_path):
     assert sample(scraped["ps"], "tfps_ps_examples_total", **ps0) > 0
     assert sample(scraped["ps"], "tfps_ps_received_bytes_total", **ps0) > 0
     assert 0 < sample(scraped["ps"], "tfps_ps_loss", **ps0) < 10
-    assert sample(scraped["worker"], "tfps_worker_steps_total", job="digits", replica_type="worker", replica_index="0") > 0
+    assert (
+        sample(scraped["worker"], "tfps_worker_steps_total", job="digits", replica_type="worker", replica_index="0") > 0
+    )
     if victim.startswith("ps"):
         log = (tmp_path / f"{victim}.log").read_text()
         restored = [json.loads(line) for line in log.splitlines() if '"event": "restored"' in line]

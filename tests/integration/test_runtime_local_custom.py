@@ -1,5 +1,6 @@
 """`tfps local` runs a custom program (no spec.training) with Chief, Worker and Evaluator
 replicas as the operator would: each gets TF_CONFIG, and the Chief's exit decides the job."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,23 @@ else:
 def test_custom_program_with_chief_and_evaluator(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    template = {"spec": {"containers": [{"name": "tensorflow", "command": [sys.executable, "-c", PROGRAM],
-                                         "args": [str(out), "4"]}]}}
-    job = TrainingJob.model_validate({"metadata": {"name": "custom"}, "spec": {"replicaSpecs": {
-        "Chief": {"replicas": 1, "template": template}, "Worker": {"replicas": 2, "template": template},
-        "Evaluator": {"replicas": 1, "template": template}}}})
+    template = {
+        "spec": {
+            "containers": [{"name": "tensorflow", "command": [sys.executable, "-c", PROGRAM], "args": [str(out), "4"]}]
+        }
+    }
+    job = TrainingJob.model_validate(
+        {
+            "metadata": {"name": "custom"},
+            "spec": {
+                "replicaSpecs": {
+                    "Chief": {"replicas": 1, "template": template},
+                    "Worker": {"replicas": 2, "template": template},
+                    "Evaluator": {"replicas": 1, "template": template},
+                }
+            },
+        }
+    )
     result = LocalRun(job, workdir=tmp_path / "work").run()
     assert result["succeeded"], result
     seen = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}

@@ -2,6 +2,7 @@
 INVALID_ARGUMENT, counted in tfps_ps_rejected_requests_total{reason}, and leaves the
 parameters untouched; so are oversize messages and a flood of bad pushes, after which the PS
 still serves."""
+
 import json
 import time
 
@@ -9,18 +10,25 @@ import grpc
 import numpy as np
 import pytest
 
+from tfps.api.spec import ConsistencyMode, TrainingSpec
 from tfps.runtime import _rows, wire
 from tfps.runtime.datapath import DataConnection
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.api.spec import ConsistencyMode, TrainingSpec
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    training = TrainingSpec.model_validate({"model": "wide-deep", "modelArgs": {"vocabSize": 1000, "fields": 4}, "steps": 100,
-                                            "consistency": {"mode": "async"}, "optimizer": {"name": "sgd", "learningRate": 0.1}})
+    training = TrainingSpec.model_validate(
+        {
+            "model": "wide-deep",
+            "modelArgs": {"vocabSize": 1000, "fields": 4},
+            "steps": 100,
+            "consistency": {"mode": "async"},
+            "optimizer": {"name": "sgd", "learningRate": 0.1},
+        }
+    )
     with InProcessCluster(training, num_ps=1, num_workers=1) as c:
         yield c
 
@@ -48,10 +56,13 @@ def _good():
 
 
 def _rejected(cluster, reason):
-    return cluster.shards[0].metrics.registry.get_sample_value(
-        "tfps_ps_rejected_requests_total",
-        {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0", "reason": reason},
-    ) or 0
+    return (
+        cluster.shards[0].metrics.registry.get_sample_value(
+            "tfps_ps_rejected_requests_total",
+            {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0", "reason": reason},
+        )
+        or 0
+    )
 
 
 def _bad_requests():
@@ -71,10 +82,23 @@ def _bad_requests():
         ("non_finite", wire.encode(meta, {"dense_0/kernel": inf})),
         ("non_finite", wire.encode(meta, {"dense_0/kernel": nan.astype(wire.dtype("bfloat16"))})),
         ("wrong_dtype", wire.encode(meta, {"dense_0/kernel": good["dense_0/kernel"].astype(np.float16)})),
-        ("out_of_range", wire.encode(meta, {"embedding:indices": np.array([1, 10**6], np.int64),
-                                             "embedding:values": np.zeros((2, 16), np.float32)})),
-        ("out_of_range", wire.encode(meta, {"embedding:indices": np.array([-1, 2], np.int64),
-                                             "embedding:values": np.zeros((2, 16), np.float32)})),
+        (
+            "out_of_range",
+            wire.encode(
+                meta,
+                {
+                    "embedding:indices": np.array([1, 10**6], np.int64),
+                    "embedding:values": np.zeros((2, 16), np.float32),
+                },
+            ),
+        ),
+        (
+            "out_of_range",
+            wire.encode(
+                meta,
+                {"embedding:indices": np.array([-1, 2], np.int64), "embedding:values": np.zeros((2, 16), np.float32)},
+            ),
+        ),
         ("out_of_range", wire.encode({**meta, "pull": True}, {"embedding:rows": np.array([0, -3], np.int64)})),
         ("malformed", wire.encode({**meta, "worker": 7}, good)),
     ]
@@ -105,7 +129,11 @@ def test_a_good_push_is_applied(cluster, transport):
 def _push_good(cluster, transport: str = "grpc") -> None:
     version = cluster.shards[0].version
     grad = np.ones((4 * 16 + 8, 64), np.float32)
-    reply = wire.decode(TRANSPORTS[transport](cluster, wire.encode({"worker": 0, "tag": version, "pull": True, "batch": 1}, {"dense_0/kernel": grad})))
+    reply = wire.decode(
+        TRANSPORTS[transport](
+            cluster, wire.encode({"worker": 0, "tag": version, "pull": True, "batch": 1}, {"dense_0/kernel": grad})
+        )
+    )
     assert reply.meta["version"] == version + 1
     assert cluster.shards[0].version == version + 1
 
@@ -129,8 +157,10 @@ def test_a_retried_push_is_applied_once(cluster):
     seq, version = shard.clocks[0], shard.version
     labels = {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": "0"}
     dups = shard.metrics.registry.get_sample_value("tfps_ps_duplicate_pushes_total", labels) or 0
-    push = wire.encode({"worker": 0, "tag": version, "seq": seq, "pull": True, "batch": 1},
-                       {"dense_0/kernel": np.ones((4 * 16 + 8, 64), np.float32)})
+    push = wire.encode(
+        {"worker": 0, "tag": version, "seq": seq, "pull": True, "batch": 1},
+        {"dense_0/kernel": np.ones((4 * 16 + 8, 64), np.float32)},
+    )
     first = wire.decode(_step(cluster, push))
     after_first = cluster.parameters()["dense_0/kernel"]
     again = wire.decode(_step(cluster, push))  # the retry
@@ -139,8 +169,13 @@ def test_a_retried_push_is_applied_once(cluster):
     np.testing.assert_array_equal(cluster.parameters()["dense_0/kernel"], after_first)
     assert shard.metrics.registry.get_sample_value("tfps_ps_duplicate_pushes_total", labels) == dups + 1
     # the next push, with the sequence number the reply gave, is applied
-    _step(cluster, wire.encode({"worker": 0, "tag": version + 1, "seq": seq + 1, "pull": False, "batch": 1},
-                               {"dense_0/kernel": np.ones((4 * 16 + 8, 64), np.float32)}))
+    _step(
+        cluster,
+        wire.encode(
+            {"worker": 0, "tag": version + 1, "seq": seq + 1, "pull": False, "batch": 1},
+            {"dense_0/kernel": np.ones((4 * 16 + 8, 64), np.float32)},
+        ),
+    )
     assert shard.version == version + 2
 
 
@@ -157,8 +192,10 @@ def test_health_service_reports_serving(cluster):
         with pytest.raises(grpc.RpcError) as err:
             stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        for service, status in ((wire.SERVICE, health_pb2.HealthCheckResponse.SERVING),
-                                ("no.such.Service", health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)):
+        for service, status in (
+            (wire.SERVICE, health_pb2.HealthCheckResponse.SERVING),
+            ("no.such.Service", health_pb2.HealthCheckResponse.SERVICE_UNKNOWN),
+        ):
             stream = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert next(stream).status == status
             stream.cancel()
@@ -169,8 +206,13 @@ def test_health_service_reports_serving(cluster):
 
 def _total_rejected(cluster) -> float:
     registry = cluster.shards[0].metrics.registry
-    return sum(s.value for m in registry.collect() if m.name == "tfps_ps_rejected_requests"
-               for s in m.samples if s.name.endswith("_total"))
+    return sum(
+        s.value
+        for m in registry.collect()
+        if m.name == "tfps_ps_rejected_requests"
+        for s in m.samples
+        if s.name.endswith("_total")
+    )
 
 
 def _assert_alive_and_unchanged(cluster, before, version):
@@ -181,7 +223,9 @@ def _assert_alive_and_unchanged(cluster, before, version):
     for name in before:
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
     with grpc.insecure_channel(cluster.addresses[0]) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=5
+        )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -195,13 +239,21 @@ def _oversize():
     kernel = (4 * 16 + 8, 64)
     return [
         # a header claiming a 1 TiB tensor: refused without allocating it
-        ("huge-tensor-claim", "truncated", False,
-         _claims({"meta": meta, "tensors": [["dense_0/kernel", "float32", [2 ** 20, 2 ** 18], 2 ** 40]]})),
+        (
+            "huge-tensor-claim",
+            "truncated",
+            False,
+            _claims({"meta": meta, "tensors": [["dense_0/kernel", "float32", [2**20, 2**18], 2**40]]}),
+        ),
         # a length prefix claiming a 4 GiB header
-        ("huge-header-claim", "truncated", False, _claims({"meta": meta, "tensors": []}, length=2 ** 32 - 1)),
+        ("huge-header-claim", "truncated", False, _claims({"meta": meta, "tensors": []}, length=2**32 - 1)),
         # a gradient 64 times the variable's size, streamed in 4 MiB chunks (~75 MB)
-        ("oversized-gradient-streamed", "wrong_shape", True,
-         wire.encode(meta, {"dense_0/kernel": np.zeros((kernel[0] * 64 * 64, kernel[1]), np.float32)})),
+        (
+            "oversized-gradient-streamed",
+            "wrong_shape",
+            True,
+            wire.encode(meta, {"dense_0/kernel": np.zeros((kernel[0] * 64 * 64, kernel[1]), np.float32)}),
+        ),
     ]
 
 
@@ -272,9 +324,12 @@ def test_stream_over_the_size_limit_is_refused(cluster):
 def _worker_shaped(**changes) -> dict:
     """The tensors of a request as a worker sends them every step: dense gradients, a table's
     rows (sorted, each once) with their gradients, and the rows the next batch needs."""
-    tensors = {"dense_0/kernel": np.full((4 * 16 + 8, 64), 0.25, np.float32),
-               "embedding:indices": np.array([2, 5, 9], np.int64), "embedding:values": np.full((3, 16), 0.5, np.float32),
-               "embedding:rows": np.array([9, 1, 4, 7], np.int64)}
+    tensors = {
+        "dense_0/kernel": np.full((4 * 16 + 8, 64), 0.25, np.float32),
+        "embedding:indices": np.array([2, 5, 9], np.int64),
+        "embedding:values": np.full((3, 16), 0.5, np.float32),
+        "embedding:rows": np.array([9, 1, 4, 7], np.int64),
+    }
     tensors.update(changes)
     return {k: v for k, v in tensors.items() if v is not None}
 
@@ -286,7 +341,16 @@ def test_the_fast_decoding_of_a_worker_step_agrees_with_the_python_checks(cluste
     data = wire.encode({"worker": 0, "tag": 3, "seq": 2, "pull": True, "batch": 4, "loss": 0.5}, _worker_shaped())
     assert _rows.parse_request(data, shard._layout, False) is not None
     fast, slow = shard._decode(data), shard._parse(wire.decode(data))
-    fields = lambda r: (r.push.worker, r.push.tag, r.push.seq, r.push.batch, r.push.loss, r.pull, r.min_version, r.want_dense)  # noqa: E731
+    fields = lambda r: (
+        r.push.worker,
+        r.push.tag,
+        r.push.seq,
+        r.push.batch,
+        r.push.loss,
+        r.pull,
+        r.min_version,
+        r.want_dense,
+    )  # noqa: E731
     assert fields(fast) == fields(slow) == (0, 3, 2, 4, 0.5, True, 0, True)
     assert fast.push.dense.keys() == slow.push.dense.keys() == {"dense_0/kernel"}
     np.testing.assert_array_equal(fast.push.dense["dense_0/kernel"], slow.push.dense["dense_0/kernel"])
@@ -299,12 +363,23 @@ def test_the_fast_decoding_of_a_worker_step_agrees_with_the_python_checks(cluste
     assert not fast.push.dense["dense_0/kernel"].flags.owndata  # a view of the message, not a copy
 
 
-@pytest.mark.parametrize("tensors", [
-    _worker_shaped(**{"embedding:indices": np.array([5, 2, 9], np.int64)}),  # unsorted: summed per row by the Python path
-    _worker_shaped(**{"embedding:indices": np.array([2, 2, 9], np.int64)}),  # a row twice
-    _worker_shaped(**{"dense_0/kernel": np.full((4 * 16 + 8, 64), 0.25, np.float32).astype(wire.dtype("bfloat16"))}),
-    {"embedding:values": np.full((3, 16), 0.5, np.float32), "embedding:indices": np.array([2, 5, 9], np.int64)},  # values first
-], ids=["unsorted", "repeated", "bfloat16", "values-first"])
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        _worker_shaped(
+            **{"embedding:indices": np.array([5, 2, 9], np.int64)}
+        ),  # unsorted: summed per row by the Python path
+        _worker_shaped(**{"embedding:indices": np.array([2, 2, 9], np.int64)}),  # a row twice
+        _worker_shaped(
+            **{"dense_0/kernel": np.full((4 * 16 + 8, 64), 0.25, np.float32).astype(wire.dtype("bfloat16"))}
+        ),
+        {
+            "embedding:values": np.full((3, 16), 0.5, np.float32),
+            "embedding:indices": np.array([2, 5, 9], np.int64),
+        },  # values first
+    ],
+    ids=["unsorted", "repeated", "bfloat16", "values-first"],
+)
 def test_requests_of_another_shape_are_left_to_the_python_checks(cluster, tensors):
     """Valid requests that are not the usual shape: the fast decoding declines them, and the
     Python checks take them as before."""
@@ -312,7 +387,9 @@ def test_requests_of_another_shape_are_left_to_the_python_checks(cluster, tensor
     data = wire.encode({"worker": 0, "tag": 0, "pull": False, "batch": 1}, tensors)
     assert _rows.parse_request(data, shard._layout, False) is None
     req = shard._decode(data)
-    assert set(req.push.dense) | set(req.push.sparse) == {k.partition(":")[0] for k in tensors if not k.endswith(":rows")}
+    assert set(req.push.dense) | set(req.push.sparse) == {
+        k.partition(":")[0] for k in tensors if not k.endswith(":rows")
+    }
 
 
 @pytest.mark.parametrize("reason, data", _bad_requests(), ids=[r for r, _ in _bad_requests()])

@@ -2,6 +2,7 @@
 `tfps local` trains the wide-and-deep model with Adam on 2 PS processes and leaves their final
 checkpoint; 3 PS shards then start from it, and every parameter and every Adam moment they hold,
 put back together, equals what the 2 PS wrote. Training then goes on from that step on 3 PS."""
+
 import json
 import subprocess
 import sys
@@ -20,7 +21,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 STEPS = 40
 TRAINING = {
     "model": "wide-deep",
-    "modelArgs": {"vocabSize": 20_000, "fields": 8, "embeddingDim": 8, "hidden": [16], "samples": 4096, "testSamples": 512},
+    "modelArgs": {
+        "vocabSize": 20_000,
+        "fields": 8,
+        "embeddingDim": 8,
+        "hidden": [16],
+        "samples": 4096,
+        "testSamples": 512,
+    },
     "optimizer": {"name": "adam", "learningRate": 0.01},
     "batchSize": 64,
     "steps": STEPS,
@@ -34,24 +42,37 @@ def _whole(parts_of, tensors_of, model) -> dict[str, np.ndarray]:
     for param in model.params:
         parts = sorted(parts_of(param.name), key=lambda p: p.start)
         for suffix in ("", ":slot:m", ":slot:v"):
-            out[param.name + suffix] = np.concatenate([tensors_of(p)[p.name + suffix] for p in parts]) if param.shape else tensors_of(parts[0])[parts[0].name + suffix]
+            out[param.name + suffix] = (
+                np.concatenate([tensors_of(p)[p.name + suffix] for p in parts])
+                if param.shape
+                else tensors_of(parts[0])[parts[0].name + suffix]
+            )
     return out
 
 
 def test_a_2_ps_checkpoint_restores_into_3_ps(tmp_path):
     root = tmp_path / "checkpoints"
     manifest = {
-        "apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "reshard"},
+        "apiVersion": "tfps.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "reshard"},
         "spec": {
-            "replicaSpecs": {"PS": {"replicas": 2, "restartPolicy": "Never"}, "Worker": {"replicas": 1, "restartPolicy": "Never"}},
+            "replicaSpecs": {
+                "PS": {"replicas": 2, "restartPolicy": "Never"},
+                "Worker": {"replicas": 1, "restartPolicy": "Never"},
+            },
             "training": {**TRAINING, "checkpoint": {"path": str(root), "everySteps": 1000}},
             "runPolicy": {"backoffLimit": 0},
         },
     }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    out = subprocess.run([sys.executable, "-m", "tfps.cli.main", "local", str(path), "--json", "--no-progress"],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-m", "tfps.cli.main", "local", str(path), "--json", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == STEPS
 

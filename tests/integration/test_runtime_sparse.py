@@ -1,27 +1,35 @@
 """The wide-and-deep model's embedding tables travel and update as rows: the PS byte
 counters show only the touched rows moving, and untouched rows keep their values."""
+
 import numpy as np
 import pytest
 
+from tfps.api.spec import TrainingSpec
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.models import BatchSource
-from tfps.api.spec import TrainingSpec
 
 pytestmark = pytest.mark.integration
 
 
 def _counter(shard, name):
     m = shard.metrics
-    return m.registry.get_sample_value(name, {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": str(shard.index)})
+    return m.registry.get_sample_value(
+        name, {"job": "inprocess", "namespace": "default", "replica_type": "ps", "replica_index": str(shard.index)}
+    )
 
 
 def test_only_touched_rows_move():
     steps, batch = 30, 32
-    training = TrainingSpec.model_validate({
-        "model": "wide-deep", "modelArgs": {"vocabSize": 200_000, "fields": 8, "embeddingDim": 16},
-        "steps": steps, "batchSize": batch, "optimizer": {"name": "adagrad", "learningRate": 0.05},
-        "consistency": {"mode": "sync"},
-    })
+    training = TrainingSpec.model_validate(
+        {
+            "model": "wide-deep",
+            "modelArgs": {"vocabSize": 200_000, "fields": 8, "embeddingDim": 16},
+            "steps": steps,
+            "batchSize": batch,
+            "optimizer": {"name": "adagrad", "learningRate": 0.05},
+            "consistency": {"mode": "sync"},
+        }
+    )
     with InProcessCluster(training, num_ps=2, num_workers=1) as cluster:
         model = cluster.model()
         start = {p.name: p.initial_value(0) for p in model.params}
@@ -51,11 +59,16 @@ def test_a_tables_rows_from_two_ps_reach_the_worker_in_one_array():
     """Both tables are split by rows over 2 PS. The rows of the next batch, asked of both with a
     push, are received straight into one array per table (no concatenation after), each PS's
     rows where its ids fall, and equal the rows the PS hold."""
-    training = TrainingSpec.model_validate({
-        "model": "wide-deep", "modelArgs": {"vocabSize": 20_000, "fields": 8, "embeddingDim": 16},
-        "steps": 50, "batchSize": 64, "optimizer": {"name": "sgd", "learningRate": 0.05},
-        "consistency": {"mode": "async"},
-    })
+    training = TrainingSpec.model_validate(
+        {
+            "model": "wide-deep",
+            "modelArgs": {"vocabSize": 20_000, "fields": 8, "embeddingDim": 16},
+            "steps": 50,
+            "batchSize": 64,
+            "optimizer": {"name": "sgd", "learningRate": 0.05},
+            "consistency": {"mode": "async"},
+        }
+    )
     with InProcessCluster(training, num_ps=2, num_workers=1) as cluster:
         worker = cluster.worker(0)
         try:
@@ -66,7 +79,9 @@ def test_a_tables_rows_from_two_ps_reach_the_worker_in_one_array():
             assert worker.sparse.keys() == routes.keys() and len(routes) == 2
             for name, table_routes in routes.items():
                 assert [part.ps for part, _, _ in table_routes] == [0, 1]  # the batch's ids fall on both PS
-                held = np.concatenate([cluster.shards[part.ps].vars[part.name][local] for part, _, local in table_routes])
+                held = np.concatenate(
+                    [cluster.shards[part.ps].vars[part.name][local] for part, _, local in table_routes]
+                )
                 np.testing.assert_array_equal(worker.rows[name], held)
                 assert worker.rows[name] is worker._joined._arrays[name]
         finally:

@@ -10,6 +10,7 @@ controller-manager), and pods that use them on the node.
 NetworkPolicies are not enforced here (no CNI runs on this machine): the test checks the
 object the API server stored, not packets being dropped.
 """
+
 from __future__ import annotations
 
 import base64
@@ -17,8 +18,8 @@ import json
 
 import pytest
 from conftest import job_manifest
-from support import wait_for
 from kubernetes.client.rest import ApiException
+from support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -34,6 +35,7 @@ def _secret(op, name):
 
 def _policy(op, name):
     from kubernetes import client
+
     try:
         return client.NetworkingV1Api(op.cluster.api).read_namespaced_network_policy(name, op.namespace)
     except ApiException as err:
@@ -59,7 +61,9 @@ def test_job_gets_its_secret_and_network_policy_and_pods_mount_it(tfps_operator)
         (volume,) = [v for v in pod.spec.volumes if v.name == "tfps-auth"]
         assert volume.secret.secret_name == "sec-tfps-auth"
         (c,) = pod.spec.containers
-        assert any(m.name == "tfps-auth" and m.mount_path == "/var/run/tfps/auth" and m.read_only for m in c.volume_mounts)
+        assert any(
+            m.name == "tfps-auth" and m.mount_path == "/var/run/tfps/auth" and m.read_only for m in c.volume_mounts
+        )
         assert {e.name: e.value for e in c.env}["TFPS_AUTH_TOKEN_FILE"] == "/var/run/tfps/auth/token"
         assert pod.spec.automount_service_account_token is False
         assert pod.spec.security_context.run_as_non_root and pod.spec.security_context.run_as_user == 10001
@@ -90,21 +94,45 @@ def test_two_jobs_get_different_tokens(tfps_operator):
     op = tfps_operator
     for name in ("a", "b"):
         op.create(job_manifest(name, ps=1, workers=1))
-    tokens = wait_for("two secrets", lambda: all(_secret(op, f"{n}-tfps-auth") for n in "ab")
-                      and [_secret(op, f"{n}-tfps-auth").data["token"] for n in "ab"])
+    tokens = wait_for(
+        "two secrets",
+        lambda: (
+            all(_secret(op, f"{n}-tfps-auth") for n in "ab")
+            and [_secret(op, f"{n}-tfps-auth").data["token"] for n in "ab"]
+        ),
+    )
     assert tokens[0] != tokens[1]
 
 
 def test_tls_training_job_succeeds_on_the_node(tfps_operator):
     op, ns = tfps_operator, tfps_operator.namespace
-    training = {"model": "digits-mlp", "modelArgs": {"hidden": [32]}, "steps": 40, "batchSize": 32,
-                "optimizer": {"name": "adam", "learningRate": 0.01}, "tls": True}
-    op.create(job_manifest("tls", ps=1, workers=1, template={}, training=training,
-                           run_policy={"activeDeadlineSeconds": 240, "cleanPodPolicy": "None"}))
+    training = {
+        "model": "digits-mlp",
+        "modelArgs": {"hidden": [32]},
+        "steps": 40,
+        "batchSize": 32,
+        "optimizer": {"name": "adam", "learningRate": 0.01},
+        "tls": True,
+    }
+    op.create(
+        job_manifest(
+            "tls",
+            ps=1,
+            workers=1,
+            template={},
+            training=training,
+            run_policy={"activeDeadlineSeconds": 240, "cleanPodPolicy": "None"},
+        )
+    )
     status = op.wait_phase("tls", "Succeeded", timeout=240)
     assert status["phase"] == "Succeeded"
-    serving = [json.loads(ln) for ln in op.cluster.pod_log(ns, "tls-ps-0").splitlines()
-               if ln.startswith("{") and '"serving"' in ln]
-    assert serving and serving[0]["tls"] is True and serving[0]["auth"] is True, op.cluster.pod_log(ns, "tls-ps-0")[-2000:]
+    serving = [
+        json.loads(ln)
+        for ln in op.cluster.pod_log(ns, "tls-ps-0").splitlines()
+        if ln.startswith("{") and '"serving"' in ln
+    ]
+    assert serving and serving[0]["tls"] is True and serving[0]["auth"] is True, op.cluster.pod_log(ns, "tls-ps-0")[
+        -2000:
+    ]
     # The worker dialled the PS by its pod DNS name (what the certificate names).
     assert f"tls-ps-0.tls.{ns}.svc:2222" in op.cluster.pod_log(ns, "tls-worker-0")

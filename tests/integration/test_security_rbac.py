@@ -9,30 +9,39 @@ kubeconfig built from it runs the real `tfps operator` process through a job's l
 same token is refused (403) what the operator never does. Writes that must be refused are
 sent as server-side dry runs, so a wrongly allowed one changes nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from datetime import datetime, timezone
-from collections import Counter
 import ssl
 import subprocess
 import urllib.error
 import urllib.request
+from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO, OperatorHarness, job_manifest
-from support import samples, wait_for
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
+from support import samples, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(540)]
 
 CHART = REPO / "charts" / "tfps"
-APPLIED = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "KopfPeering",
-           "ClusterKopfPeering", "ConfigMap"}
+APPLIED = {
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "KopfPeering",
+    "ClusterKopfPeering",
+    "ConfigMap",
+}
 
 
 class ChartIdentity:
@@ -42,26 +51,52 @@ class ChartIdentity:
         self.cluster, self.namespace = cluster, namespace
         self.release = f"rbac-{namespace[-6:]}"
         sets = ["--set", f"operator.watchNamespaces={{{namespace}}}"] if namespaced else []
-        out = subprocess.run(["helm", "template", self.release, str(CHART), "--namespace", namespace, *sets],
-                             env=cluster.env, capture_output=True, text=True, check=True, timeout=60).stdout
-        self.docs = [d for d in yaml.safe_load_all(out) if d and d["kind"] in APPLIED
-                     and (d["kind"] != "ConfigMap" or d["metadata"]["name"].endswith("-config"))]
-        self.cluster_scoped = [d for d in self.docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")]
+        out = subprocess.run(
+            ["helm", "template", self.release, str(CHART), "--namespace", namespace, *sets],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        self.docs = [
+            d
+            for d in yaml.safe_load_all(out)
+            if d and d["kind"] in APPLIED and (d["kind"] != "ConfigMap" or d["metadata"]["name"].endswith("-config"))
+        ]
+        self.cluster_scoped = [
+            d for d in self.docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering")
+        ]
         cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(self.docs))
         (sa,) = [d for d in self.docs if d["kind"] == "ServiceAccount"]
         self.service_account = sa["metadata"]["name"]
         core = client.CoreV1Api(cluster.api)
         token = core.create_namespaced_service_account_token(
-            self.service_account, namespace, {"spec": {"expirationSeconds": 3600}}).status.token
+            self.service_account, namespace, {"spec": {"expirationSeconds": 3600}}
+        ).status.token
         admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
         self.kubeconfig = tmp / "operator-kubeconfig"
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config",
-            "clusters": admin["clusters"],
-            "users": [{"name": "operator", "user": {"token": token}}],
-            "contexts": [{"name": "operator", "context": {"cluster": admin["clusters"][0]["name"], "user": "operator",
-                                                          "namespace": namespace}}],
-            "current-context": "operator"}))
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": admin["clusters"],
+                    "users": [{"name": "operator", "user": {"token": token}}],
+                    "contexts": [
+                        {
+                            "name": "operator",
+                            "context": {
+                                "cluster": admin["clusters"][0]["name"],
+                                "user": "operator",
+                                "namespace": namespace,
+                            },
+                        }
+                    ],
+                    "current-context": "operator",
+                }
+            )
+        )
         self.api = config.new_client_from_config(config_file=str(self.kubeconfig))
         (cm,) = [d for d in self.docs if d["kind"] == "ConfigMap"]
         self.operator_config = yaml.safe_load(cm["data"]["config.yaml"])
@@ -98,9 +133,14 @@ def test_operator_with_the_chart_token_runs_a_job_lifecycle(namespaced_identity,
     core = client.CoreV1Api(ident.cluster.api)
 
     def recently_deleted() -> list[str]:  # (an older one stuck on a finalizer is nobody's churn now)
-        now = datetime.now(timezone.utc)
-        return [n.metadata.name for n in core.list_namespace().items if n.status.phase == "Terminating"
-                and n.metadata.deletion_timestamp and (now - n.metadata.deletion_timestamp).total_seconds() < 600]
+        now = datetime.now(UTC)
+        return [
+            n.metadata.name
+            for n in core.list_namespace().items
+            if n.status.phase == "Terminating"
+            and n.metadata.deletion_timestamp
+            and (now - n.metadata.deletion_timestamp).total_seconds() < 600
+        ]
 
     wait_for("namespaces deleted by earlier tests gone", lambda: not recently_deleted(), timeout=240, interval=1)
     refused_before = _refused_requests(ident.cluster.api)
@@ -111,7 +151,10 @@ def test_operator_with_the_chart_token_runs_a_job_lifecycle(namespaced_identity,
         pods = op.wait_pods("rbac", {"rbac-ps-0", "rbac-worker-0", "rbac-worker-1"}, timeout=60)
         raw = json.loads(op.core.read_namespaced_pod("rbac-ps-0", namespace, _preload_content=False).data)
         assert raw["spec"]["workloadRef"] == {"name": "rbac", "podGroup": "training"}
-        assert op.core.read_namespaced_secret("rbac-tfps-auth", namespace).metadata.owner_references[0].uid == job["metadata"]["uid"]
+        assert (
+            op.core.read_namespaced_secret("rbac-tfps-auth", namespace).metadata.owner_references[0].uid
+            == job["metadata"]["uid"]
+        )
         networking = client.NetworkingV1Api(op.cluster.api)
         assert networking.read_namespaced_network_policy("rbac-tfps", namespace)
         assert op.core.read_namespaced_service("rbac", namespace)
@@ -122,9 +165,14 @@ def test_operator_with_the_chart_token_runs_a_job_lifecycle(namespaced_identity,
         wait_for("worker-1 recreated", lambda: (p := op.pods("rbac").get("rbac-worker-1")) and p.metadata.uid != old)
         wait_for("events posted", lambda: {"Created", "Running", "PodRestarting"} <= {r for r, _ in op.events("rbac")})
         op.cluster.kubectl("delete", "tj", "rbac", "-n", namespace, "--wait=true", "--timeout=60s")  # kopf's finalizer
-        wait_for("children gone", lambda: not op.core.list_namespaced_pod(namespace, label_selector="tfps.io/job-name=rbac").items
-                 and not op.core.list_namespaced_secret(namespace, field_selector="metadata.name=rbac-tfps-auth").items
-                 and not networking.list_namespaced_network_policy(namespace).items)
+        wait_for(
+            "children gone",
+            lambda: (
+                not op.core.list_namespaced_pod(namespace, label_selector="tfps.io/job-name=rbac").items
+                and not op.core.list_namespaced_secret(namespace, field_selector="metadata.name=rbac-tfps-auth").items
+                and not networking.list_namespaced_network_policy(namespace).items
+            ),
+        )
     finally:
         op.cleanup()
     # The API server's own count of the requests it answered 403: the operator made none.
@@ -163,8 +211,11 @@ def _raw(api: client.ApiClient, method: str, path: str, headers: dict | None = N
     """A request the typed client has no method for, with the same token and CA."""
     cfg = api.configuration
     ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-    req = urllib.request.Request(cfg.host + path, method=method,
-                                 headers={"Authorization": cfg.auth_settings()["BearerToken"]["value"], **(headers or {})})
+    req = urllib.request.Request(
+        cfg.host + path,
+        method=method,
+        headers={"Authorization": cfg.auth_settings()["BearerToken"]["value"], **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, context=ctx, timeout=10):
             return
@@ -188,20 +239,37 @@ def _refusals(api: client.ApiClient, ns: str) -> dict[str, object]:
         "create a secret in another namespace": lambda: core.create_namespaced_secret("default", secret, **DRY),
         "create a pod in another namespace": lambda: core.create_namespaced_pod("default", pod, **DRY),
         "list pods cluster-wide": lambda: core.list_pod_for_all_namespaces(),
-        "list trainingjobs in another namespace": lambda: custom.list_namespaced_custom_object("tfps.io", "v1alpha1", "default", "trainingjobs"),
+        "list trainingjobs in another namespace": lambda: custom.list_namespaced_custom_object(
+            "tfps.io", "v1alpha1", "default", "trainingjobs"
+        ),
         "delete a namespace": lambda: core.delete_namespace(ns, **DRY),
         "create a namespace": lambda: core.create_namespace({"metadata": {"name": "intruder"}}, **DRY),
         "create a ClusterRole": lambda: rbac.create_cluster_role(
-            {"metadata": {"name": "intruder"}, "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]}, **DRY),
-        "create a RoleBinding": lambda: rbac.create_namespaced_role_binding(ns, {
-            "metadata": {"name": "intruder"}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"},
-            "subjects": [{"kind": "User", "name": "intruder"}]}, **DRY),
-        "exec into a pod": lambda: _raw(api, "POST", f"/api/v1/namespaces/{ns}/pods/rbac-ps-0/exec?command=id&stdout=true"),
+            {
+                "metadata": {"name": "intruder"},
+                "rules": [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}],
+            },
+            **DRY,
+        ),
+        "create a RoleBinding": lambda: rbac.create_namespaced_role_binding(
+            ns,
+            {
+                "metadata": {"name": "intruder"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "admin"},
+                "subjects": [{"kind": "User", "name": "intruder"}],
+            },
+            **DRY,
+        ),
+        "exec into a pod": lambda: _raw(
+            api, "POST", f"/api/v1/namespaces/{ns}/pods/rbac-ps-0/exec?command=id&stdout=true"
+        ),
         "update a pod": lambda: core.patch_namespaced_pod("rbac-ps-0", ns, {"metadata": {"labels": {"x": "y"}}}, **DRY),
         "update a node": lambda: core.patch_node("tfps-local", {"metadata": {"labels": {"x": "y"}}}, **DRY),
         "list nodes": lambda: core.list_node(),
         "read configmaps": lambda: core.list_namespaced_config_map(ns),
-        "create a CRD": lambda: client.ApiextensionsV1Api(api).delete_custom_resource_definition("trainingjobs.tfps.io", **DRY),
+        "create a CRD": lambda: client.ApiextensionsV1Api(api).delete_custom_resource_definition(
+            "trainingjobs.tfps.io", **DRY
+        ),
         "impersonate": lambda: _raw(api, "GET", "/api/v1/namespaces", {"Impersonate-User": "admin"}),
     }
 
@@ -211,14 +279,35 @@ def test_chart_token_is_refused_what_the_operator_does_not_need(namespaced_ident
     assert {what: code for what, code in results.items() if code != 403} == {}
     # ...while what it needs is allowed (dry runs, in its namespace).
     core = client.CoreV1Api(namespaced_identity.api)
-    assert _status(lambda: core.create_namespaced_secret(namespace, {"metadata": {"name": "ok"}, "stringData": {"a": "b"}}, **DRY)) == 200
+    assert (
+        _status(
+            lambda: core.create_namespaced_secret(
+                namespace, {"metadata": {"name": "ok"}, "stringData": {"a": "b"}}, **DRY
+            )
+        )
+        == 200
+    )
     assert _status(lambda: core.list_namespaced_pod(namespace)) == 200
 
 
-CLUSTERWIDE_REFUSED = ("list secrets in its namespace", "read a job's secret", "watch secrets", "list secrets cluster-wide",
-                       "list secrets in another namespace", "delete a namespace", "create a namespace", "create a ClusterRole",
-                       "create a RoleBinding", "exec into a pod", "update a pod", "update a node", "list nodes",
-                       "read configmaps", "create a CRD", "impersonate")
+CLUSTERWIDE_REFUSED = (
+    "list secrets in its namespace",
+    "read a job's secret",
+    "watch secrets",
+    "list secrets cluster-wide",
+    "list secrets in another namespace",
+    "delete a namespace",
+    "create a namespace",
+    "create a ClusterRole",
+    "create a RoleBinding",
+    "exec into a pod",
+    "update a pod",
+    "update a node",
+    "list nodes",
+    "read configmaps",
+    "create a CRD",
+    "impersonate",
+)
 
 
 def test_clusterwide_chart_token_still_cannot_read_secrets_or_escalate(clusterwide_identity, namespace):

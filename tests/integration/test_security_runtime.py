@@ -8,6 +8,7 @@
   the job's CA and sends the token gets through, a plaintext client and a client trusting
   another CA are refused; a whole `tfps local` run with tls: true succeeds.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import sample, scrape, wait_for
 
 from tfps.api.naming import ENV_AUTH_TOKEN_FILE
 from tfps.api.spec import TrainingJob, TrainingSpec
@@ -28,12 +30,15 @@ from tfps.runtime.auth import ClientSecurity, Material
 from tfps.runtime.client import CLIENT_OPTIONS, ShardClient
 from tfps.runtime.local import LocalRun, free_port
 
-from support import sample, scrape, wait_for
-
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-TRAINING = {"model": "digits-mlp", "modelArgs": {"hidden": [16]}, "steps": 1000,
-            "consistency": {"mode": "async"}, "optimizer": {"name": "sgd", "learningRate": 0.1}}
+TRAINING = {
+    "model": "digits-mlp",
+    "modelArgs": {"hidden": [16]},
+    "steps": 1000,
+    "consistency": {"mode": "async"},
+    "optimizer": {"name": "sgd", "learningRate": 0.1},
+}
 
 
 class PSProcess:
@@ -46,15 +51,28 @@ class PSProcess:
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         training = {**TRAINING, "tls": tls, "checkpoint": {"path": str(tmp / "ckpt")}}
-        env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": {"ps": [self.address], "worker": ["127.0.0.1:1"]},
-                                                      "task": {"type": "ps", "index": 0}}),
-               "TFPS_JOB_NAME": "sec", "TFPS_NAMESPACE": "default", "TFPS_TRAINING": json.dumps(training),
-               "TFPS_BIND_ADDRESS": "127.0.0.1", "TFPS_METRICS_PORT": str(self.metrics_port),
-               ENV_AUTH_TOKEN_FILE: str(self.token_file), "TF_CPP_MIN_LOG_LEVEL": "2"}
+        env = {
+            **os.environ,
+            "TF_CONFIG": json.dumps(
+                {"cluster": {"ps": [self.address], "worker": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}}
+            ),
+            "TFPS_JOB_NAME": "sec",
+            "TFPS_NAMESPACE": "default",
+            "TFPS_TRAINING": json.dumps(training),
+            "TFPS_BIND_ADDRESS": "127.0.0.1",
+            "TFPS_METRICS_PORT": str(self.metrics_port),
+            ENV_AUTH_TOKEN_FILE: str(self.token_file),
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+        }
         self.log = tmp / "ps.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tfps.cli.main", "ps"], env=env,
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tfps.cli.main", "ps"],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         self.own = ClientSecurity.from_env(tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
         self._wait_serving()
 
@@ -155,7 +173,9 @@ def test_a_pod_of_another_job_cannot_push_gradients(plain_ps, tmp_path):
 
 def test_health_service_stays_open_for_probes(plain_ps):
     with grpc.insecure_channel(plain_ps.address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=5)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=5
+        )
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -172,7 +192,9 @@ def test_tls_refuses_plaintext_and_other_cas(tls_ps, tmp_path):
     plaintext = ClientSecurity(Material(tls_ps.own.material.token))
     other_ca = _other_job(tmp_path, tls=True)
     # The right CA without a token: TLS alone does not admit a caller.
-    no_token = grpc.secure_channel(tls_ps.address, grpc.ssl_channel_credentials(tls_ps.material.ca_crt), options=CLIENT_OPTIONS)
+    no_token = grpc.secure_channel(
+        tls_ps.address, grpc.ssl_channel_credentials(tls_ps.material.ca_crt), options=CLIENT_OPTIONS
+    )
     for security in (plaintext, other_ca):
         client = tls_ps.client(security)
         try:
@@ -190,19 +212,35 @@ def test_tls_refuses_plaintext_and_other_cas(tls_ps, tmp_path):
 
 
 def test_tls_training_run_succeeds_end_to_end(tmp_path):
-    job = TrainingJob.model_validate({
-        "apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "tls"},
-        "spec": {"replicaSpecs": {"PS": {"replicas": 2}, "Worker": {"replicas": 2}},
-                 "training": {"model": "digits-mlp", "modelArgs": {"hidden": [32]}, "steps": 60, "batchSize": 32,
-                              "optimizer": {"name": "adam", "learningRate": 0.01}, "tls": True},
-                 "runPolicy": {"activeDeadlineSeconds": 240}}})
+    job = TrainingJob.model_validate(
+        {
+            "apiVersion": "tfps.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "tls"},
+            "spec": {
+                "replicaSpecs": {"PS": {"replicas": 2}, "Worker": {"replicas": 2}},
+                "training": {
+                    "model": "digits-mlp",
+                    "modelArgs": {"hidden": [32]},
+                    "steps": 60,
+                    "batchSize": 32,
+                    "optimizer": {"name": "adam", "learningRate": 0.01},
+                    "tls": True,
+                },
+                "runPolicy": {"activeDeadlineSeconds": 240},
+            },
+        }
+    )
     run = LocalRun(job, workdir=tmp_path, keep_workdir=True)
     result = run.run()
     assert result["succeeded"], result.get("logs")
     assert result["steps"] == 60
     assert result["accuracy"] > 0.5
     for name in ("ps-0", "ps-1"):
-        serving = [json.loads(ln) for ln in (tmp_path / f"{name}.log").read_text().splitlines()
-                   if ln.startswith("{") and '"serving"' in ln]
+        serving = [
+            json.loads(ln)
+            for ln in (tmp_path / f"{name}.log").read_text().splitlines()
+            if ln.startswith("{") and '"serving"' in ln
+        ]
         assert serving and serving[0]["tls"] is True and serving[0]["auth"] is True
     assert TrainingSpec.model_validate(job.spec.training.to_manifest()).tls is True

@@ -6,15 +6,17 @@ Importable as `support` (pytest puts tests/ on sys.path for tests/conftest.py). 
 for the event that proves the behaviour with `wait_for`, never sleeps and then asserts that
 nothing happened.
 """
+
 from __future__ import annotations
 
 import importlib.util
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -50,8 +52,11 @@ def wait_for(what: str, fn: Callable[[], T], timeout: float = 30, interval: floa
 
 def samples(text: str) -> dict[tuple[str, frozenset], float]:
     """Prometheus exposition text, parsed by prometheus_client: (name, labels) -> value."""
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:
@@ -93,7 +98,10 @@ def pods_state(api, namespace: str) -> list[str]:
         why = f" ({scheduled.reason}: {scheduled.message})" if scheduled and scheduled.status != "True" else ""
         gates = [g.name for g in pod.spec.scheduling_gates or []]
         others = [(c.type, c.status, c.reason) for c in conditions if c.type != "PodScheduled" and c.status != "True"]
-        lines.append(f"  {pod.metadata.name}: {pod.status.phase}, node {pod.spec.node_name or '-'}{why}"
-                     + (f", gates {gates}" if gates else "") + (", deleting" if pod.metadata.deletion_timestamp else "")
-                     + (f", {others}" if others else ""))
+        lines.append(
+            f"  {pod.metadata.name}: {pod.status.phase}, node {pod.spec.node_name or '-'}{why}"
+            + (f", gates {gates}" if gates else "")
+            + (", deleting" if pod.metadata.deletion_timestamp else "")
+            + (f", {others}" if others else "")
+        )
     return lines

@@ -1,8 +1,9 @@
 """One manifest, one meaning: the same exits fed to the operator's plan() and to `tfps local`'s
 decisions give the same outcome (tfps.api.semantics decides on both paths)."""
+
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -12,49 +13,94 @@ from tfps.operator import builders, reconcile
 from tfps.operator.config import OperatorConfig
 from tfps.runtime.local import LocalRun
 
-NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 CUSTOM = {"spec": {"containers": [{"name": "tensorflow", "command": ["python3", "-c", "pass"]}]}}
 
 
 def _job(replicas: dict[str, tuple[int, str]], training=True, success_policy="", backoff=3) -> TrainingJob:
-    specs = {rtype: {"replicas": n, "restartPolicy": policy, **({} if training else {"template": CUSTOM})}
-             for rtype, (n, policy) in replicas.items()}
+    specs = {
+        rtype: {"replicas": n, "restartPolicy": policy, **({} if training else {"template": CUSTOM})}
+        for rtype, (n, policy) in replicas.items()
+    }
     spec = {"replicaSpecs": specs, "runPolicy": {"backoffLimit": backoff}, "successPolicy": success_policy}
     if training:
         spec["training"] = {}
-    return TrainingJob.model_validate({"metadata": {"name": "j", "namespace": "ns", "uid": "uid-j", "generation": 1},
-                                       "spec": spec})
+    return TrainingJob.model_validate(
+        {"metadata": {"name": "j", "namespace": "ns", "uid": "uid-j", "generation": 1}, "spec": spec}
+    )
 
 
 # (what the job has, the exits in order as "type-index:code") -> (outcome, restarts). A failed
 # job's restart count is left out: a kubelet has already restarted in place the one that
 # exceeded the budget when the operator sees it, where `tfps local` never starts it.
 CASES = {
-    "worker 0 decides by default": (_job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
-                                    ["worker-0:0"], ("Succeeded", 0)),
-    "worker 1 alone does not": (_job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
-                                ["worker-1:0"], ("Running", 0)),
-    "AllWorkers waits for every worker": (_job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}, success_policy="AllWorkers"),
-                                          ["worker-0:0"], ("Running", 0)),
-    "AllWorkers, all done": (_job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}, success_policy="AllWorkers"),
-                             ["worker-0:0", "worker-1:0"], ("Succeeded", 0)),
-    "the Chief decides, not worker 0": (_job({"PS": (1, "OnFailure"), "Chief": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
-                                        ["worker-0:0", "worker-1:0"], ("Running", 0)),
-    "the Chief completes": (_job({"PS": (1, "OnFailure"), "Chief": (1, "OnFailure"), "Worker": (1, "OnFailure")}),
-                            ["chief-0:0"], ("Succeeded", 0)),
-    "an Evaluator does not decide": (_job({"PS": (1, "OnFailure"), "Worker": (1, "OnFailure"), "Evaluator": (1, "OnFailure")}),
-                                     ["evaluator-0:0"], ("Running", 0)),
-    "OnFailure restarts a failed worker": (_job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
-                                           ["worker-1:1"], ("Running", 1)),
+    "worker 0 decides by default": (
+        _job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
+        ["worker-0:0"],
+        ("Succeeded", 0),
+    ),
+    "worker 1 alone does not": (
+        _job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
+        ["worker-1:0"],
+        ("Running", 0),
+    ),
+    "AllWorkers waits for every worker": (
+        _job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}, success_policy="AllWorkers"),
+        ["worker-0:0"],
+        ("Running", 0),
+    ),
+    "AllWorkers, all done": (
+        _job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}, success_policy="AllWorkers"),
+        ["worker-0:0", "worker-1:0"],
+        ("Succeeded", 0),
+    ),
+    "the Chief decides, not worker 0": (
+        _job({"PS": (1, "OnFailure"), "Chief": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
+        ["worker-0:0", "worker-1:0"],
+        ("Running", 0),
+    ),
+    "the Chief completes": (
+        _job({"PS": (1, "OnFailure"), "Chief": (1, "OnFailure"), "Worker": (1, "OnFailure")}),
+        ["chief-0:0"],
+        ("Succeeded", 0),
+    ),
+    "an Evaluator does not decide": (
+        _job({"PS": (1, "OnFailure"), "Worker": (1, "OnFailure"), "Evaluator": (1, "OnFailure")}),
+        ["evaluator-0:0"],
+        ("Running", 0),
+    ),
+    "OnFailure restarts a failed worker": (
+        _job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}),
+        ["worker-1:1"],
+        ("Running", 1),
+    ),
     "Never fails the job": (_job({"PS": (1, "OnFailure"), "Worker": (2, "Never")}), ["worker-1:1"], ("Failed", 0)),
-    "ExitCode retries 137": (_job({"PS": (1, "OnFailure"), "Worker": (2, "ExitCode")}), ["worker-1:137"], ("Running", 1)),
+    "ExitCode retries 137": (
+        _job({"PS": (1, "OnFailure"), "Worker": (2, "ExitCode")}),
+        ["worker-1:137"],
+        ("Running", 1),
+    ),
     "ExitCode fails on 1": (_job({"PS": (1, "OnFailure"), "Worker": (2, "ExitCode")}), ["worker-1:1"], ("Failed", 0)),
-    "Always restarts a PS that exited 0": (_job({"PS": (1, "Always"), "Worker": (1, "OnFailure")}), ["ps-0:0"], ("Running", 1)),
-    "Always: a finished worker is done": (_job({"PS": (1, "Always"), "Worker": (2, "Always")}), ["worker-0:0"], ("Succeeded", 0)),
-    "the backoff limit is spent": (_job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}, backoff=1),
-                                   ["worker-1:1", "worker-1:1"], ("Failed", None)),
-    "custom program, Chief decides": (_job({"Chief": (1, "OnFailure"), "Worker": (2, "OnFailure")}, training=False),
-                                      ["worker-0:0", "chief-0:0"], ("Succeeded", 0)),
+    "Always restarts a PS that exited 0": (
+        _job({"PS": (1, "Always"), "Worker": (1, "OnFailure")}),
+        ["ps-0:0"],
+        ("Running", 1),
+    ),
+    "Always: a finished worker is done": (
+        _job({"PS": (1, "Always"), "Worker": (2, "Always")}),
+        ["worker-0:0"],
+        ("Succeeded", 0),
+    ),
+    "the backoff limit is spent": (
+        _job({"PS": (1, "OnFailure"), "Worker": (2, "OnFailure")}, backoff=1),
+        ["worker-1:1", "worker-1:1"],
+        ("Failed", None),
+    ),
+    "custom program, Chief decides": (
+        _job({"Chief": (1, "OnFailure"), "Worker": (2, "OnFailure")}, training=False),
+        ["worker-0:0", "chief-0:0"],
+        ("Succeeded", 0),
+    ),
     "custom program, no PS needed": (_job({"Worker": (1, "Never")}, training=False), ["worker-0:3"], ("Failed", 0)),
 }
 
@@ -78,12 +124,20 @@ def local_outcome(job: TrainingJob, exits: list[str], tmp_path) -> tuple[str, in
 def operator_outcome(job: TrainingJob, exits: list[str]) -> tuple[str, int]:
     """The pods as the kubelet leaves them after each exit (a restart in place, Succeeded or
     Failed by the pod's restartPolicy), then the operator's plan()."""
-    body = {"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": job.metadata,
-            "spec": job.spec.to_manifest(), "status": {}}
+    body = {
+        "apiVersion": "tfps.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": job.metadata,
+        "spec": job.spec.to_manifest(),
+        "status": {},
+    }
     pods = {p["metadata"]["name"]: p for p in builders.desired_pods(job, OperatorConfig())}
     for name, pod in pods.items():
         pod["metadata"]["uid"] = f"uid-{name}"
-        pod["status"] = {"phase": "Running", "containerStatuses": [{"name": "tensorflow", "restartCount": 0, "state": {"running": {}}}]}
+        pod["status"] = {
+            "phase": "Running",
+            "containerStatuses": [{"name": "tensorflow", "restartCount": 0, "state": {"running": {}}}],
+        }
     body["status"] = reconcile.plan(body, list(pods.values()), NOW).status
     for exit_ in exits:
         rtype, index, code = _parse(exit_)
@@ -98,8 +152,10 @@ def operator_outcome(job: TrainingJob, exits: list[str]) -> tuple[str, int]:
         result = reconcile.plan(body, list(pods.values()), NOW)
         body["status"] = result.status
         for name in result.restart:  # recreated by the controller
-            pods[name]["status"] = {"phase": "Running", "containerStatuses": [
-                {"name": "tensorflow", "restartCount": 0, "state": {"running": {}}}]}
+            pods[name]["status"] = {
+                "phase": "Running",
+                "containerStatuses": [{"name": "tensorflow", "restartCount": 0, "state": {"running": {}}}],
+            }
         if result.status["phase"] in ("Succeeded", "Failed"):
             break
     phase = body["status"]["phase"]
@@ -118,14 +174,31 @@ def test_tfps_local_and_the_operator_decide_alike(case, tmp_path):
 
 
 def test_replicas_come_in_creation_order():
-    job = _job({"Evaluator": (1, "Never"), "Worker": (2, "OnFailure"), "Chief": (1, "OnFailure"), "PS": (1, "OnFailure")})
-    assert semantics.replicas(job.spec) == [(ReplicaType.PS, 0), (ReplicaType.CHIEF, 0), (ReplicaType.WORKER, 0),
-                                            (ReplicaType.WORKER, 1), (ReplicaType.EVALUATOR, 0)]
+    job = _job(
+        {"Evaluator": (1, "Never"), "Worker": (2, "OnFailure"), "Chief": (1, "OnFailure"), "PS": (1, "OnFailure")}
+    )
+    assert semantics.replicas(job.spec) == [
+        (ReplicaType.PS, 0),
+        (ReplicaType.CHIEF, 0),
+        (ReplicaType.WORKER, 0),
+        (ReplicaType.WORKER, 1),
+        (ReplicaType.EVALUATOR, 0),
+    ]
 
 
-@pytest.mark.parametrize("policy, code, retried", [
-    ("OnFailure", 1, True), ("Always", 1, True), ("Never", 1, False), ("ExitCode", 1, False),
-    ("ExitCode", 137, True), ("ExitCode", -9, True), ("ExitCode", None, True), ("Never", None, False)])
+@pytest.mark.parametrize(
+    "policy, code, retried",
+    [
+        ("OnFailure", 1, True),
+        ("Always", 1, True),
+        ("Never", 1, False),
+        ("ExitCode", 1, False),
+        ("ExitCode", 137, True),
+        ("ExitCode", -9, True),
+        ("ExitCode", None, True),
+        ("Never", None, False),
+    ],
+)
 def test_retryable_exit_codes(policy, code, retried):
     assert semantics.retryable(RestartPolicy(policy), code) is retried
 

@@ -2,6 +2,7 @@
 what it sends back with no update, with the async update and with the sync update, and with the
 async update of a model's embedding tables (only the touched rows, the rows asked for back);
 and the process settings every reference's processes run with."""
+
 import math
 import os
 import socket
@@ -42,7 +43,9 @@ def test_async_applies_each_push_in_turn_with_the_ps_kernel():
     port, answerer = _start("async")
     first, second = limit.Exchange(port), limit.Exchange(port)
     g1, g2 = np.arange(6, dtype=np.float32), np.full(6, 2.0, np.float32)
-    assert _params(first, np.empty(0, np.float32)) == pytest.approx(np.zeros(6))  # a pull alone: the parameters as they are
+    assert _params(first, np.empty(0, np.float32)) == pytest.approx(
+        np.zeros(6)
+    )  # a pull alone: the parameters as they are
     assert _params(first, g1) == pytest.approx(-LR * g1)
     assert _params(second, g2) == pytest.approx(-LR * (g1 + g2))
     assert answerer.version == 2
@@ -98,7 +101,9 @@ def test_the_sync_update_is_refused_for_a_model_with_embedding_tables():
 DENSE, ROWS, WIDTH = 3, 10, 2
 
 
-def _rows_exchange(exchange: limit.Exchange, grads: list, pushed: list, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _rows_exchange(
+    exchange: limit.Exchange, grads: list, pushed: list, wanted: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(the dense parameters, the rows asked for) sent back for one push of a 3-parameter dense part and a 10 x 2 table."""
     layout = limit._RowsLayout(DENSE, [WIDTH])
     (_, rows_at), size = limit.aligned_offsets([DENSE, len(wanted) * WIDTH])
@@ -116,7 +121,7 @@ def test_each_tensor_of_a_push_or_pull_starts_where_tensorflow_can_use_it_in_pla
     received = wire.aligned_empty(4 * size).view(np.float32)  # as the worker receives it
     received[:] = np.concatenate(limit.padded(arrays))
     for arr, at in zip(arrays, offsets, strict=True):
-        assert np.array_equal(received[at:at + arr.size], arr) and in_place(received[at:at + arr.size])
+        assert np.array_equal(received[at : at + arr.size], arr) and in_place(received[at : at + arr.size])
 
 
 def test_tables_async_sgd_updates_only_the_pushed_rows_and_sends_back_the_rows_asked_for():
@@ -143,15 +148,18 @@ def test_tables_async_adam_moves_only_the_pushed_rows_slots():
     assert params == pytest.approx(np.full(DENSE, -LR), rel=1e-3)
     assert rows[0] == pytest.approx(0.01 - LR, rel=1e-3)
     table, slots = answerer.tables[0]
-    assert np.all(slots["m"][4] != 0) and not np.any(np.delete(slots["m"], 4, axis=0))  # lazy: the other rows' moments stay
+    assert np.all(slots["m"][4] != 0) and not np.any(
+        np.delete(slots["m"], 4, axis=0)
+    )  # lazy: the other rows' moments stay
     assert np.all(np.delete(table, 4, axis=0) == np.float32(0.01))
 
 
 def _wide_deep_params():
     from tfps.runtime.models import load_model
 
-    return load_model("wide-deep", {"vocabSize": 40, "fields": 2, "embeddingDim": 4, "denseDim": 3, "hidden": [5],
-                                    "testSamples": 0}).params
+    return load_model(
+        "wide-deep", {"vocabSize": 40, "fields": 2, "embeddingDim": 4, "denseDim": 3, "hidden": [5], "testSamples": 0}
+    ).params
 
 
 def test_one_answerer_takes_the_model_whole_in_its_order():
@@ -160,7 +168,9 @@ def test_one_answerer_takes_the_model_whole_in_its_order():
     assert [q.name for q in shards.dense[0]] == [p.name for p in params if not p.sparse]
     assert [q.name for q in shards.tables[0]] == [p.name for p in params if p.sparse]
     ids = np.array([3, 17, 39])
-    assert shards.ids(0, {t.name: shards.routes(t.name, ids) for t in shards.tables[0]}) == [ids] * len(shards.tables[0])
+    assert shards.ids(0, {t.name: shards.routes(t.name, ids) for t in shards.tables[0]}) == [ids] * len(
+        shards.tables[0]
+    )
 
 
 def test_sharded_pushes_and_pulls_split_the_model_as_the_ps_placement_does_and_join_it_back():
@@ -169,19 +179,26 @@ def test_sharded_pushes_and_pulls_split_the_model_as_the_ps_placement_does_and_j
     params = _wide_deep_params()
     shards = limit.Shards(params, 2)
     assert sorted((q.name, q.ps) for k in (0, 1) for q in shards.dense[k] + shards.tables[k]) == sorted(
-        (q.name, q.ps) for q in place(params, 2).parts)
+        (q.name, q.ps) for q in place(params, 2).parts
+    )
     tables = [p for p in params if p.sparse]
     ids = np.array([1, 7, 22, 38])  # sorted distinct ids of a batch: rows 0..19 on answerer 0, 20..39 on answerer 1
     routes = {t.name: shards.routes(t.name, ids) for t in tables}
     assert [list(rows) for rows in shards.ids(0, routes)] == [[1, 7]] * len(tables)
     assert [list(rows) for rows in shards.ids(1, routes)] == [[2, 18]] * len(tables)  # local to the part
 
-    grads = {p.name: np.arange(math.prod(p.shape[1:]) * (len(ids) if p.sparse else p.shape[0]), dtype=np.float32).reshape(
-        (len(ids), *p.shape[1:]) if p.sparse else p.shape) for p in params}
+    grads = {
+        p.name: np.arange(math.prod(p.shape[1:]) * (len(ids) if p.sparse else p.shape[0]), dtype=np.float32).reshape(
+            (len(ids), *p.shape[1:]) if p.sparse else p.shape
+        )
+        for p in params
+    }
     pushes = shards.pushes(grads, routes)
     for k in (0, 1):
-        rows = pushes[k][-len(shards.tables[k]):]
-        assert all(np.array_equal(r, grads[q.var][2 * k:2 * k + 2]) for r, q in zip(rows, shards.tables[k], strict=True))
+        rows = pushes[k][-len(shards.tables[k]) :]
+        assert all(
+            np.array_equal(r, grads[q.var][2 * k : 2 * k + 2]) for r, q in zip(rows, shards.tables[k], strict=True)
+        )
 
     # each answerer's reply (its dense parts, then its rows asked for) joins into every parameter
     pulls = [shards.pull(k, routes) for k in (0, 1)]
@@ -190,7 +207,7 @@ def test_sharded_pushes_and_pulls_split_the_model_as_the_ps_placement_does_and_j
         buf = np.zeros(size, np.float32)
         for q, _, at, n in pieces:
             whole = grads[q.var]
-            buf[at:at + n] = (whole[2 * k:2 * k + 2] if q.sparse else whole).reshape(-1)
+            buf[at : at + n] = (whole[2 * k : 2 * k + 2] if q.sparse else whole).reshape(-1)
         received.append(buf)
     joined = shards.join(received, pulls)
     assert set(joined) == {p.name for p in params}
@@ -198,7 +215,9 @@ def test_sharded_pushes_and_pulls_split_the_model_as_the_ps_placement_does_and_j
         assert np.array_equal(joined[p.name], grads[p.name]), p.name
 
 
-_SETTINGS = MALLINFO_PRELUDE + r"""
+_SETTINGS = (
+    MALLINFO_PRELUDE
+    + r"""
 import argparse, json, os, sys, threading
 from tfps.bench.procs import child_or_orchestrator
 
@@ -215,6 +234,7 @@ def settings(args=None):
 role = sys.argv[1]
 child_or_orchestrator(argparse.Namespace(child=role == "child"), settings, lambda args: settings() or {})
 """
+)
 
 
 @pytest.mark.parametrize("role, arenas", [("child", 2), ("orchestrator", 1)])
@@ -225,7 +245,14 @@ def test_the_references_processes_run_with_a_tfps_process_settings(role, arenas)
     request thread allocates from the main heap); a child, as a worker, gives each thread its own."""
     env = {k: v for k, v in os.environ.items() if k != "TFPS_SCHED_BATCH"}
     other = lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # noqa: E731
-    out = subprocess.run([sys.executable, "-c", _SETTINGS, role], capture_output=True, text=True, check=True, env=env,
-                         preexec_fn=other, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _SETTINGS, role],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        preexec_fn=other,
+        timeout=120,
+    )
     assert out.stdout.splitlines()[0] == '{"batch": true, "kept": true}'
     assert sum(line.startswith("Arena ") for line in out.stderr.splitlines()) == arenas

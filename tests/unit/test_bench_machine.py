@@ -1,5 +1,6 @@
 """The machine a `tfps bench` report records: read from a /proc and /sys laid out under a
 temporary root (the same files, in the kernel's formats), and from this machine's own."""
+
 import io
 import os
 
@@ -17,8 +18,12 @@ cpu MHz\t\t: 2599.996
 flags\t\t: fpu vme de pse
 """
 CPUINFO = f"processor\t: 0\n{CPU}\nprocessor\t: 1\n{CPU}"
-CACHES = {"index0": ("1", "Data", "48K"), "index1": ("1", "Instruction", "32K"), "index2": ("2", "Unified", "2048K"),
-          "index3": ("3", "Unified", "491520K")}
+CACHES = {
+    "index0": ("1", "Data", "48K"),
+    "index1": ("1", "Instruction", "32K"),
+    "index2": ("2", "Unified", "2048K"),
+    "index3": ("3", "Unified", "491520K"),
+}
 
 
 def fake_root(tmp_path):
@@ -51,7 +56,15 @@ def test_describe_reads_cpu_memory_caches_and_kernel(tmp_path):
 def test_what_cannot_be_read_is_none(tmp_path):
     described = machine.describe(tmp_path)
     described.pop("load")
-    assert described == {"cpu": None, "cpu_signature": None, "mhz": None, "cpus": None, "memory_gib": None, "caches": {}, "kernel": None}
+    assert described == {
+        "cpu": None,
+        "cpu_signature": None,
+        "mhz": None,
+        "cpus": None,
+        "memory_gib": None,
+        "caches": {},
+        "kernel": None,
+    }
 
 
 def test_this_machine():
@@ -66,5 +79,7 @@ def test_the_report_carries_the_machine_and_prints_it(tmp_path):
     assert out["machine"] == host
     buf = io.StringIO()
     report.render(out, Console(file=buf, width=250, color_system=None))
-    assert ("machine: Intel(R) Xeon(R) Processor (6/167/1, 2600 MHz), 2 CPUs, 23.4 GiB, L1d 48K, L2 2048K, L3 491520K, Linux 6.1.0-test; "
-            "load average 0.12 at the start, 1.90 at the end") in buf.getvalue()
+    assert (
+        "machine: Intel(R) Xeon(R) Processor (6/167/1, 2600 MHz), 2 CPUs, 23.4 GiB, L1d 48K, L2 2048K, L3 491520K, Linux 6.1.0-test; "
+        "load average 0.12 at the start, 1.90 at the end"
+    ) in buf.getvalue()

@@ -1,12 +1,13 @@
 """`tfps bench`'s generated inputs: the TrainingJob for `tfps local`, the shapes, the settings."""
+
 import argparse
 import sys
 
 import pytest
 
+from tfps.api.spec import ConsistencyMode, OptimizerName, TrainingJob
 from tfps.bench import goodput, main, mlp, procs, tfps_side
 from tfps.runtime.models import load_model
-from tfps.api.spec import ConsistencyMode, OptimizerName, TrainingJob
 
 
 def test_shapes_are_issue_3s():
@@ -130,10 +131,14 @@ def test_a_crash_is_a_failure_without_retries_and_an_error_exit_is_never_retried
 
 
 def test_a_measurement_that_times_out_is_reported_with_its_last_progress_lines():
-    stuck = [sys.executable, "-c", "import sys, time\n"
-             "for line in ('anchor: 1 s: 6 servers up', 'anchor: 40 s: model built'):\n"
-             "    print(line, file=sys.stderr, flush=True)\n"
-             "time.sleep(60)"]
+    stuck = [
+        sys.executable,
+        "-c",
+        "import sys, time\n"
+        "for line in ('anchor: 1 s: 6 servers up', 'anchor: 40 s: model built'):\n"
+        "    print(line, file=sys.stderr, flush=True)\n"
+        "time.sleep(60)",
+    ]
     with pytest.raises(procs.MeasurementError, match=r"no result within 2 s \| .*servers up \| .*model built$"):
         procs.run_json(stuck, 2, "anchor")
 
@@ -157,7 +162,9 @@ def test_an_anchor_server_killed_mid_run_is_named_with_how_it_died_and_how_large
         servers[0].send_signal(signal.SIGKILL)
         servers[0].wait()
         said = watch.dead()
-        assert said.startswith("TensorFlow's servers died mid-run: ps 0 exited with -9 (SIGKILL: the kernel's OOM killer")
+        assert said.startswith(
+            "TensorFlow's servers died mid-run: ps 0 exited with -9 (SIGKILL: the kernel's OOM killer"
+        )
         assert f"at {watch.peaks[0] / GIB:.1f} GiB resident" in said and "worker 0" not in said
         watch.stop()
     finally:
@@ -244,12 +251,21 @@ def _recorded_repeat(monkeypatch, repeat: int, dense: bool) -> list[str]:
         order.append(name)
         return {"examples_per_second": 1000.0}
 
-    monkeypatch.setattr(limit, "run", lambda shape, cfg, update="none", optimizer="sgd", lr=None, sharded=False:
-                        record(("limit" if update == "none" else f"limit_update_{optimizer if not dense else update}")
-                               + ("_sharded" if sharded else "")))
-    monkeypatch.setattr(tfps_side, "measure", lambda shape, mode, *a, wire_dtype="float32", optimizer="sgd", every_steps=None:
-                        record(tfps_side.system_key(mode, wire_dtype) if dense else
-                               f"tfps_{optimizer}" + ("_ckpt" if every_steps else "")))
+    monkeypatch.setattr(
+        limit,
+        "run",
+        lambda shape, cfg, update="none", optimizer="sgd", lr=None, sharded=False: record(
+            ("limit" if update == "none" else f"limit_update_{optimizer if not dense else update}")
+            + ("_sharded" if sharded else "")
+        ),
+    )
+    monkeypatch.setattr(
+        tfps_side,
+        "measure",
+        lambda shape, mode, *a, wire_dtype="float32", optimizer="sgd", every_steps=None: record(
+            tfps_side.system_key(mode, wire_dtype) if dense else f"tfps_{optimizer}" + ("_ckpt" if every_steps else "")
+        ),
+    )
     cfg = {"seconds": 1.0, "warmup_seconds": 1.0, "learning_rate": 0.01}
     if dense:
         monkeypatch.setattr(main, "measure_anchor", lambda module, *a: record(module.rsplit(".", 1)[-1]))
@@ -264,12 +280,54 @@ def _recorded_repeat(monkeypatch, repeat: int, dense: bool) -> list[str]:
 
 def test_tfps_runs_between_two_limits_and_they_take_turns_at_going_first(monkeypatch):
     refs = ["limit_update_async", "limit_update_sync", "ceiling", "anchor_tf_pss"]
-    assert _recorded_repeat(monkeypatch, 0, dense=True) == [*refs, "limit", "tfps_async", "tfps_sync", "tfps_async_bf16", "limit"]
-    assert _recorded_repeat(monkeypatch, 1, dense=True) == [*refs, "limit", "tfps_async_bf16", "tfps_sync", "tfps_async", "limit"]
+    assert _recorded_repeat(monkeypatch, 0, dense=True) == [
+        *refs,
+        "limit",
+        "tfps_async",
+        "tfps_sync",
+        "tfps_async_bf16",
+        "limit",
+    ]
+    assert _recorded_repeat(monkeypatch, 1, dense=True) == [
+        *refs,
+        "limit",
+        "tfps_async_bf16",
+        "tfps_sync",
+        "tfps_async",
+        "limit",
+    ]
     # the limit + update and its sharded twin take turns at going first too
-    refs = ["limit_update_sgd", "limit_update_sgd_sharded", "tf_pss_sgd", "limit_update_adam", "limit_update_adam_sharded", "tf_pss_adam",
-            "limit_sharded"]
-    assert _recorded_repeat(monkeypatch, 0, dense=False) == [*refs, "limit", "tfps_sgd", "tfps_adam", "limit", "tfps_adam_ckpt"]
-    refs = ["limit_update_sgd_sharded", "limit_update_sgd", "tf_pss_sgd", "limit_update_adam_sharded", "limit_update_adam", "tf_pss_adam",
-            "limit_sharded"]
-    assert _recorded_repeat(monkeypatch, 1, dense=False) == [*refs, "limit", "tfps_adam", "tfps_sgd", "limit", "tfps_adam_ckpt"]
+    refs = [
+        "limit_update_sgd",
+        "limit_update_sgd_sharded",
+        "tf_pss_sgd",
+        "limit_update_adam",
+        "limit_update_adam_sharded",
+        "tf_pss_adam",
+        "limit_sharded",
+    ]
+    assert _recorded_repeat(monkeypatch, 0, dense=False) == [
+        *refs,
+        "limit",
+        "tfps_sgd",
+        "tfps_adam",
+        "limit",
+        "tfps_adam_ckpt",
+    ]
+    refs = [
+        "limit_update_sgd_sharded",
+        "limit_update_sgd",
+        "tf_pss_sgd",
+        "limit_update_adam_sharded",
+        "limit_update_adam",
+        "tf_pss_adam",
+        "limit_sharded",
+    ]
+    assert _recorded_repeat(monkeypatch, 1, dense=False) == [
+        *refs,
+        "limit",
+        "tfps_adam",
+        "tfps_sgd",
+        "limit",
+        "tfps_adam_ckpt",
+    ]

@@ -1,5 +1,6 @@
 """The operator benchmarks' pure parts: percentiles, per-run figures, medians and goals, the
 identical pod templates of both operators' jobs, the API server's counters."""
+
 import io
 
 import pytest
@@ -24,8 +25,14 @@ def test_percentile_is_nearest_rank():
 
 def test_run_figures_from_timestamps():
     created = {"a": 0.0, "b": 1.0, "c": 2.0}
-    out = report.run_figures(created, all_pods_created={"a": 1.0, "b": 3.0, "c": 6.0}, running={"a": 2.0, "b": 4.0},
-                             pods_running={}, succeeded={"a": 10.0, "b": 11.0, "c": 20.0}, cleaned={"a": 12.0, "b": 13.0})
+    out = report.run_figures(
+        created,
+        all_pods_created={"a": 1.0, "b": 3.0, "c": 6.0},
+        running={"a": 2.0, "b": 4.0},
+        pods_running={},
+        succeeded={"a": 10.0, "b": 11.0, "c": 20.0},
+        cleaned={"a": 12.0, "b": 13.0},
+    )
     assert out["to_all_pods_created_p50"] == 2.0 and out["to_all_pods_created_p99"] == 4.0
     assert out["to_running_n"] == 2 and out["to_pods_running_p50"] is None
     assert out["all_succeeded_s"] == 20.0  # from the first create to the last job's success
@@ -37,9 +44,16 @@ def _run(side, p99, cpu, rss=100.0):
 
 
 def test_goals_on_medians_against_both_anchors():
-    runs = [_run("tfps", 10.0, 5.0), _run("tfps", 12.0, 6.0), _run("tfps", 50.0, 4.0),
-            _run("stock", 30.0, 8.0), _run("stock", 20.0, 8.0), _run("stock", 40.0, 8.0),
-            _run("raised", 10.0, 5.0), _run("raised", None, 5.0)]
+    runs = [
+        _run("tfps", 10.0, 5.0),
+        _run("tfps", 12.0, 6.0),
+        _run("tfps", 50.0, 4.0),
+        _run("stock", 30.0, 8.0),
+        _run("stock", 20.0, 8.0),
+        _run("stock", 40.0, 8.0),
+        _run("raised", 10.0, 5.0),
+        _run("raised", None, 5.0),
+    ]
     out = report.summarize(runs)
     assert out["sides"]["tfps"]["median"]["to_all_pods_created_p99"] == 12.0
     assert out["sides"]["raised"]["median"]["to_all_pods_created_p99"] == 10.0  # a failed run does not count
@@ -68,14 +82,23 @@ def test_both_operators_get_the_same_pod_templates():
     worker = tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]
     assert worker["metadata"]["annotations"] == {"tfps.io/kwok-succeed-after": "30s"}
     assert worker["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-    assert "annotations" not in tfjob["spec"]["tfReplicaSpecs"]["PS"]["template"]["metadata"]  # the PS never ends by itself
+    assert (
+        "annotations" not in tfjob["spec"]["tfReplicaSpecs"]["PS"]["template"]["metadata"]
+    )  # the PS never ends by itself
     assert tfjob["spec"]["runPolicy"]["cleanPodPolicy"] == tfps["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
-    TrainingJob.model_validate({**tfps, "metadata": {"name": "job-000", "namespace": "ns"}})  # tfps's own schema takes it
+    TrainingJob.model_validate(
+        {**tfps, "metadata": {"name": "job-000", "namespace": "ns"}}
+    )  # tfps's own schema takes it
 
 
 def test_tfjob_phase_is_its_last_true_condition():
-    status = {"conditions": [{"type": "Created", "status": "True"}, {"type": "Running", "status": "False"},
-                             {"type": "Succeeded", "status": "True"}]}
+    status = {
+        "conditions": [
+            {"type": "Created", "status": "True"},
+            {"type": "Running", "status": "False"},
+            {"type": "Succeeded", "status": "True"},
+        ]
+    }
     assert anchor.phase(status) == "Succeeded"
     assert anchor.phase({"conditions": [{"type": "Created", "status": "True"}]}) == "Created"
     assert anchor.phase(None) is None

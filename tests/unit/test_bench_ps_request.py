@@ -1,6 +1,7 @@
 """The in-process cost of one PS request (bench/ps_request.py): tfps's Shard and the reference's
 answering process are given the same pushes and must end with the same parameters and slots,
 which is what makes their CPU a request comparable. Real Shard, real Answerer, no sockets."""
+
 import gc
 import json
 

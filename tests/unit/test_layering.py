@@ -2,6 +2,7 @@
 of TensorFlow, grpcio, kopf and kubernetes, the runtime free of kopf and kubernetes, the
 operator free of TensorFlow, and no import cycle among tfps's modules. Read from the source
 with ast, every import counted, lazy ones inside functions included."""
+
 from __future__ import annotations
 
 import ast
@@ -59,7 +60,7 @@ def test_no_import_cycle():
 
     def visit(module: str, path: list[str]) -> None:
         if module in path:
-            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module):] + [module]))
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(module) :] + [module]))
         if module in done:
             return
         for other in edges[module]:
@@ -92,10 +93,14 @@ def test_the_ps_process_loads_neither_tensorflow_nor_protobuf():
     import subprocess
     import sys
 
-    code = ("import sys\n"
-            "from tfps.runtime import ps_main\n"
-            "from tfps.runtime import auth, metrics, models, ps, sharding\n"
-            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'google', 'grpc_health'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout.split()
+    code = (
+        "import sys\n"
+        "from tfps.runtime import ps_main\n"
+        "from tfps.runtime import auth, metrics, models, ps, sharding\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'google', 'grpc_health'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    ).stdout.split()
     # grpc's own __init__ imports the (empty) grpc_health namespace package, not its protobuf messages
     assert set(out) <= {"grpc_health"}, out

@@ -1,5 +1,6 @@
 """hack/node.py's pure parts: the node's configuration files and the guard's rules, checked for
 the settings that keep every packet on the cluster's own addresses."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -52,11 +53,30 @@ def test_kubelet_and_containerd_settings_this_machine_needs():
 
 
 def test_teardown_removes_the_node_chains_and_keeps_other_rules():
-    dump = "\n".join([
-        "*filter", ":INPUT ACCEPT [0:0]", ":FORWARD ACCEPT [0:0]", ":KUBE-FIREWALL - [0:0]",
-        ":TFPS-GUARD-FWD - [0:0]", ":MINE - [0:0]", "-A INPUT -j KUBE-FIREWALL", "-A FORWARD -j TFPS-GUARD-FWD",
-        "-A FORWARD -j MINE", "-A KUBE-FIREWALL -j DROP", "-A MINE -s 192.0.2.9/32 -j ACCEPT", "COMMIT"])
+    dump = "\n".join(
+        [
+            "*filter",
+            ":INPUT ACCEPT [0:0]",
+            ":FORWARD ACCEPT [0:0]",
+            ":KUBE-FIREWALL - [0:0]",
+            ":TFPS-GUARD-FWD - [0:0]",
+            ":MINE - [0:0]",
+            "-A INPUT -j KUBE-FIREWALL",
+            "-A FORWARD -j TFPS-GUARD-FWD",
+            "-A FORWARD -j MINE",
+            "-A KUBE-FIREWALL -j DROP",
+            "-A MINE -s 192.0.2.9/32 -j ACCEPT",
+            "COMMIT",
+        ]
+    )
     rest = node.without_node_chains(dump)
-    assert rest.splitlines() == ["*filter", ":INPUT ACCEPT [0:0]", ":FORWARD ACCEPT [0:0]", ":MINE - [0:0]",
-                                 "-A FORWARD -j MINE", "-A MINE -s 192.0.2.9/32 -j ACCEPT", "COMMIT"]
+    assert rest.splitlines() == [
+        "*filter",
+        ":INPUT ACCEPT [0:0]",
+        ":FORWARD ACCEPT [0:0]",
+        ":MINE - [0:0]",
+        "-A FORWARD -j MINE",
+        "-A MINE -s 192.0.2.9/32 -j ACCEPT",
+        "COMMIT",
+    ]
     assert node.without_node_chains("*filter\n:INPUT ACCEPT [0:0]\nCOMMIT") is None

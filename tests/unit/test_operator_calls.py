@@ -1,4 +1,5 @@
 """The operator's API-call pool: creations first, then the oldest job, FIFO among equals."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """The CRD file: structural, documented, and in agreement with the pydantic spec types."""
+
 from __future__ import annotations
 
 import re
@@ -42,7 +43,11 @@ def _walk(node: dict, path: str = ""):
 
 def test_names_group_and_version(crd, version):
     names = crd["spec"]["names"]
-    assert (crd["spec"]["group"], names["plural"], names["kind"]) == (spec_types.API_GROUP, spec_types.PLURAL, spec_types.KIND)
+    assert (crd["spec"]["group"], names["plural"], names["kind"]) == (
+        spec_types.API_GROUP,
+        spec_types.PLURAL,
+        spec_types.KIND,
+    )
     assert "tj" in names["shortNames"] and version["name"] == spec_types.API_VERSION
     assert crd["metadata"]["name"] == f"{spec_types.PLURAL}.{spec_types.API_GROUP}"
 
@@ -74,11 +79,14 @@ def _model_nodes(model: type[BaseModel], node: dict, path: str):
             yield from _model_nodes(ann, child, f"{path}.{alias}")
 
 
-@pytest.mark.parametrize("model,keys", [
-    (spec_types.TrainingSpec, ("spec", "training")),
-    (spec_types.RunPolicy, ("spec", "runPolicy")),
-    (spec_types.ReplicaSpec, ("spec", "replicaSpecs", "Worker")),
-])
+@pytest.mark.parametrize(
+    "model,keys",
+    [
+        (spec_types.TrainingSpec, ("spec", "training")),
+        (spec_types.RunPolicy, ("spec", "runPolicy")),
+        (spec_types.ReplicaSpec, ("spec", "replicaSpecs", "Worker")),
+    ],
+)
 def test_schema_has_every_spec_field_with_the_same_default(schema, model, keys):
     for path, info, node in _model_nodes(model, _schema_at(schema, *keys), ".".join(keys)):
         default = info.get_default(call_default_factory=True)
@@ -93,13 +101,16 @@ def test_schema_has_every_spec_field_with_the_same_default(schema, model, keys):
             assert node.get("default") == expected, f"{path}: CRD default {node.get('default')!r} != {expected!r}"
 
 
-@pytest.mark.parametrize("enum,keys", [
-    (spec_types.RestartPolicy, ("spec", "replicaSpecs", "PS", "restartPolicy")),
-    (spec_types.CleanPodPolicy, ("spec", "runPolicy", "cleanPodPolicy")),
-    (spec_types.SuccessPolicy, ("spec", "successPolicy")),
-    (spec_types.OptimizerName, ("spec", "training", "optimizer", "name")),
-    (spec_types.ConsistencyMode, ("spec", "training", "consistency", "mode")),
-])
+@pytest.mark.parametrize(
+    "enum,keys",
+    [
+        (spec_types.RestartPolicy, ("spec", "replicaSpecs", "PS", "restartPolicy")),
+        (spec_types.CleanPodPolicy, ("spec", "runPolicy", "cleanPodPolicy")),
+        (spec_types.SuccessPolicy, ("spec", "successPolicy")),
+        (spec_types.OptimizerName, ("spec", "training", "optimizer", "name")),
+        (spec_types.ConsistencyMode, ("spec", "training", "consistency", "mode")),
+    ],
+)
 def test_enums_match(schema, enum, keys):
     assert sorted(_schema_at(schema, *keys)["enum"]) == sorted(e.value for e in enum)
 
@@ -134,6 +145,7 @@ def test_subresources_and_printer_columns(schema, version):
 
 def test_status_phases_are_the_operators(schema):
     from tfps.operator import status
+
     assert _schema_at(schema, "status", "phase")["enum"] == list(status.PHASES)
 
 

@@ -2,6 +2,7 @@
 backend gets, and what every pod carries to name its group. The objects themselves are checked
 against the real API server (the Workload API) and the published PodGroup CRDs in
 tests/integration/test_gang_scheduling.py."""
+
 from __future__ import annotations
 
 from tfps.api.spec import ReplicaType, TrainingJob
@@ -18,8 +19,14 @@ def _job(policy: dict | None = None, chief: bool = False, evaluator: bool = Fals
     spec = {"replicaSpecs": replicas, "training": {"steps": 10}}
     if policy is not None:
         spec["runPolicy"] = {"schedulingPolicy": policy}
-    return TrainingJob.model_validate({"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob",
-                                       "metadata": {"name": "ctr", "namespace": "ml", "uid": "u-1"}, "spec": spec})
+    return TrainingJob.model_validate(
+        {
+            "apiVersion": "tfps.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "ctr", "namespace": "ml", "uid": "u-1"},
+            "spec": spec,
+        }
+    )
 
 
 def _config(backend: GangBackend, **kw) -> OperatorConfig:
@@ -93,11 +100,21 @@ def test_volcano_podgroup_queue_priority_and_annotation():
 
 
 def test_priority_class_applies_without_a_gang_backend_and_never_overrides_the_template():
-    job = TrainingJob.model_validate({
-        "apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "p", "namespace": "ml"},
-        "spec": {"runPolicy": {"schedulingPolicy": {"priorityClass": "high"}}, "training": {"steps": 1},
-                 "replicaSpecs": {"PS": {"replicas": 1, "template": {"spec": {"priorityClassName": "ps-class"}}},
-                                  "Worker": {"replicas": 1}}}})
+    job = TrainingJob.model_validate(
+        {
+            "apiVersion": "tfps.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "p", "namespace": "ml"},
+            "spec": {
+                "runPolicy": {"schedulingPolicy": {"priorityClass": "high"}},
+                "training": {"steps": 1},
+                "replicaSpecs": {
+                    "PS": {"replicas": 1, "template": {"spec": {"priorityClassName": "ps-class"}}},
+                    "Worker": {"replicas": 1},
+                },
+            },
+        }
+    )
     pods = _pods(job, _config(GangBackend.NONE))
     assert pods["p-ps-0"]["spec"]["priorityClassName"] == "ps-class"
     assert pods["p-worker-0"]["spec"]["priorityClassName"] == "high"
@@ -105,8 +122,9 @@ def test_priority_class_applies_without_a_gang_backend_and_never_overrides_the_t
 
 
 def test_chart_style_config_reads_the_scheduling_block():
-    config = OperatorConfig.model_validate({"scheduling": {"gang": "coscheduling", "allJobs": True,
-                                                           "schedulerName": "sp", "queueing": "kueue"}})
+    config = OperatorConfig.model_validate(
+        {"scheduling": {"gang": "coscheduling", "allJobs": True, "schedulerName": "sp", "queueing": "kueue"}}
+    )
     assert config.scheduling.gang is GangBackend.COSCHEDULING and config.scheduling.all_jobs
     assert config.scheduling.scheduler_for(GangBackend.COSCHEDULING) == "sp"
     assert ReplicaType.EVALUATOR not in gang.GANG_TYPES

@@ -1,6 +1,7 @@
 """Kueue's plain pod groups (operator/kueue.py): the labels and annotations a queued job's pods get,
 checked against the rules of Kueue's pod webhook and controller (sigs.k8s.io/kueue v0.17.0,
 pkg/controller/jobs/pod), and the patches that let a finished job's group end."""
+
 from __future__ import annotations
 
 import re
@@ -22,9 +23,12 @@ def _job(name="digits", uid="0f1e2d3c-aaaa-bbbb-cccc-000000000001", labels=None,
     replicas = {"PS": {"replicas": ps}, "Worker": {"replicas": workers}}
     if chief:
         replicas["Chief"] = {"replicas": chief}
-    body = {"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob",
-            "metadata": {"name": name, "namespace": "ml", "uid": uid, "labels": labels or {}},
-            "spec": {"replicaSpecs": replicas, "training": {"steps": 10}}}
+    body = {
+        "apiVersion": "tfps.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": name, "namespace": "ml", "uid": uid, "labels": labels or {}},
+        "spec": {"replicaSpecs": replicas, "training": {"steps": 10}},
+    }
     if policy is not None:
         body["spec"]["runPolicy"] = {"schedulingPolicy": policy}
     return TrainingJob.model_validate(body)
@@ -55,14 +59,21 @@ def test_the_queue_comes_from_the_scheduling_policy_else_the_jobs_own_label():
     assert kueue.queue_name(_job()) is None
 
 
-@pytest.mark.parametrize("config, job", [
-    (OperatorConfig(), _job(policy={"queue": "team-a"})),  # queueing off: a queue name changes nothing
-    (KUEUE_ON, _job()),  # no queue named: Kueue leaves the pods alone
-])
+@pytest.mark.parametrize(
+    "config, job",
+    [
+        (OperatorConfig(), _job(policy={"queue": "team-a"})),  # queueing off: a queue name changes nothing
+        (KUEUE_ON, _job()),  # no queue named: Kueue leaves the pods alone
+    ],
+)
 def test_no_kueue_metadata_without_queueing_or_without_a_queue(config, job):
     assert kueue.pod_metadata(job, config, STARTED) == ({}, {})
-    assert all(not any(k.startswith("kueue.x-k8s.io/") for k in {**p["metadata"]["labels"], **p["metadata"].get("annotations", {})})
-               for p in _pods(job, config))
+    assert all(
+        not any(
+            k.startswith("kueue.x-k8s.io/") for k in {**p["metadata"]["labels"], **p["metadata"].get("annotations", {})}
+        )
+        for p in _pods(job, config)
+    )
 
 
 @pytest.mark.parametrize("name", ["a", "digits", "x" * 50, "ab-" * 16 + "c"])
@@ -82,8 +93,11 @@ def test_the_group_is_one_per_incarnation():
 
 def _live(pod, phase, finalizers=(kueue.FINALIZER,), annotations=None):
     """A pod as the API returns it once Kueue's webhook has taken it."""
-    pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": "7", "finalizers": list(finalizers)},
-           "status": {"phase": phase}}
+    pod = {
+        **pod,
+        "metadata": {**pod["metadata"], "resourceVersion": "7", "finalizers": list(finalizers)},
+        "status": {"phase": phase},
+    }
     if annotations:
         pod["metadata"]["annotations"] = {**pod["metadata"]["annotations"], **annotations}
     return pod
@@ -92,7 +106,11 @@ def _live(pod, phase, finalizers=(kueue.FINALIZER,), annotations=None):
 def test_at_the_end_every_pod_is_marked_and_running_pods_deleted_lose_kueues_finalizer():
     job = _job(policy={"queue": "q"}, ps=1, workers=2)
     ps, w0, w1 = _pods(job)
-    pods = [_live(ps, "Running", finalizers=("other.io/keep", kueue.FINALIZER)), _live(w0, "Succeeded"), _live(w1, "Succeeded")]
+    pods = [
+        _live(ps, "Running", finalizers=("other.io/keep", kueue.FINALIZER)),
+        _live(w0, "Succeeded"),
+        _live(w1, "Succeeded"),
+    ]
     patches = dict(kueue.release_patches(pods, job.metadata["uid"], ending=True, delete=["digits-ps-0"]))
     assert set(patches) == {"digits-ps-0", "digits-worker-0", "digits-worker-1"}
     for patch in patches.values():
@@ -120,10 +138,21 @@ def test_a_restarted_pod_loses_the_finalizer_but_the_group_stays_retriable():
     ps, w0 = _pods(job)
     pods = [_live(ps, "Running"), _live(w0, "Failed")]
     assert kueue.release_patches(pods, job.metadata["uid"], ending=False, restart=["digits-worker-0"]) == [
-        ("digits-worker-0", {"metadata": {"finalizers": [], "resourceVersion": "7"}})]
+        ("digits-worker-0", {"metadata": {"finalizers": [], "resourceVersion": "7"}})
+    ]
 
 
-@pytest.mark.parametrize("phase, ending", [("Succeeded", True), ("Failed", True), ("Suspended", True),
-                                           ("Running", False), ("Restarting", False), ("Pending", False), (None, False)])
+@pytest.mark.parametrize(
+    "phase, ending",
+    [
+        ("Succeeded", True),
+        ("Failed", True),
+        ("Suspended", True),
+        ("Running", False),
+        ("Restarting", False),
+        ("Pending", False),
+        (None, False),
+    ],
+)
 def test_which_phases_end_the_group(phase, ending):
     assert kueue.ending(phase) is ending

@@ -1,5 +1,6 @@
 """The pod cache the reconcile passes read instead of listing: what the watch and our own writes
 put in it, in which order, and that what it keeps is enough for every decision."""
+
 from __future__ import annotations
 
 from tfps.api.spec import TrainingJob
@@ -12,20 +13,38 @@ JOB = ("ns", "j")
 
 
 def _job():
-    return TrainingJob.model_validate({
-        "apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob",
-        "metadata": {"name": "j", "namespace": "ns", "uid": "uid-j", "generation": 1},
-        "spec": {"replicaSpecs": {"PS": {"replicas": 1}, "Worker": {"replicas": 2}}, "training": {}}})
+    return TrainingJob.model_validate(
+        {
+            "apiVersion": "tfps.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "j", "namespace": "ns", "uid": "uid-j", "generation": 1},
+            "spec": {"replicaSpecs": {"PS": {"replicas": 1}, "Worker": {"replicas": 2}}, "training": {}},
+        }
+    )
 
 
 def _pod(index=0, rv=10, uid=None, phase="Running", **meta):
     pod = builders.desired_pods(_job(), OperatorConfig())[1 + index]  # worker `index`
     pod["metadata"].update(uid=uid or f"uid-w{index}", resourceVersion=str(rv), **meta)
-    pod["status"] = {"phase": phase, "podIP": "198.18.192.7", "hostIP": "198.18.128.1", "qosClass": "Burstable",
-                     "conditions": [{"type": "Ready", "status": "True"},
-                                    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}],
-                     "containerStatuses": [{"name": "tensorflow", "restartCount": 2, "image": "x", "imageID": "y",
-                                            "state": {"terminated": {"exitCode": 3, "reason": "Error", "message": '{"step": 5}'}}}]}
+    pod["status"] = {
+        "phase": phase,
+        "podIP": "198.18.192.7",
+        "hostIP": "198.18.128.1",
+        "qosClass": "Burstable",
+        "conditions": [
+            {"type": "Ready", "status": "True"},
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"},
+        ],
+        "containerStatuses": [
+            {
+                "name": "tensorflow",
+                "restartCount": 2,
+                "image": "x",
+                "imageID": "y",
+                "state": {"terminated": {"exitCode": 3, "reason": "Error", "message": '{"step": 5}'}},
+            }
+        ],
+    }
     return pod
 
 
@@ -37,9 +56,12 @@ def test_slim_keeps_every_fact_a_decision_reads():
     pod = _pod(finalizers=["kueue.x-k8s.io/managed"], annotations={kueue.RETRIABLE: "true"})
     kept = slim(pod)
     assert PodView.from_pod(kept) == PodView.from_pod(pod)
-    assert kueue.release_patches([kept], "uid-j", ending=True, delete=["j-worker-0"]) == \
-        kueue.release_patches([pod], "uid-j", ending=True, delete=["j-worker-0"])
-    assert "spec" not in kept and "hostIP" not in kept["status"] and "image" not in kept["status"]["containerStatuses"][0]
+    assert kueue.release_patches([kept], "uid-j", ending=True, delete=["j-worker-0"]) == kueue.release_patches(
+        [pod], "uid-j", ending=True, delete=["j-worker-0"]
+    )
+    assert (
+        "spec" not in kept and "hostIP" not in kept["status"] and "image" not in kept["status"]["containerStatuses"][0]
+    )
 
 
 def test_a_job_no_pass_listed_has_no_entry_and_events_before_the_list_are_ignored():
@@ -168,16 +190,24 @@ def test_the_pod_watch_resumes_where_it_stopped_and_starts_again_after_a_gap(mon
     from tfps.operator import podwatch
 
     monkeypatch.setattr(podwatch, "RETRY_SECONDS", 0.0)
-    kube = _FakeKube([
-        [_event("ADDED", "11"), _event("BOOKMARK", "15")],  # the API server ends the watch: resume at 15
-        [_event("MODIFIED", "16")],
-        ConnectionResetError("gone"),                        # resume at 16
-        ApiException(status=410, reason="too old"),          # a gap: start again from now
-        [_event("DELETED", "30")],
-    ])
+    kube = _FakeKube(
+        [
+            [_event("ADDED", "11"), _event("BOOKMARK", "15")],  # the API server ends the watch: resume at 15
+            [_event("MODIFIED", "16")],
+            ConnectionResetError("gone"),  # resume at 16
+            ApiException(status=410, reason="too old"),  # a gap: start again from now
+            [_event("DELETED", "30")],
+        ]
+    )
     events, gaps = [], []
-    watch = podwatch.PodWatch(kube, ["ns"], "a=b", 300, lambda t, p: events.append((t, p["metadata"]["resourceVersion"])),
-                              lambda: gaps.append(len(events)))
+    watch = podwatch.PodWatch(
+        kube,
+        ["ns"],
+        "a=b",
+        300,
+        lambda t, p: events.append((t, p["metadata"]["resourceVersion"])),
+        lambda: gaps.append(len(events)),
+    )
     kube.watch = watch
     watch._run("ns")
     assert kube.watched == ["v1", "15", "16", "16", "v2", "30"]

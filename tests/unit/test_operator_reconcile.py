@@ -1,15 +1,16 @@
 """The controller's decisions (pure): restart policies, backoff, success, cleanup, time, scale."""
+
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from tfps.api.spec import ReplicaType, TrainingJob
 from tfps.operator import builders, reconcile
 from tfps.operator.config import OperatorConfig
-from tfps.api.spec import ReplicaType, TrainingJob
 
-NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 PS, WORKER, CHIEF = ReplicaType.PS, ReplicaType.WORKER, ReplicaType.CHIEF
 
 
@@ -17,9 +18,13 @@ def _body(ps=2, workers=4, chief=0, policy="OnFailure", status=None, **spec):
     replica_specs = {"PS": {"replicas": ps}, "Worker": {"replicas": workers, "restartPolicy": policy}}
     if chief:
         replica_specs["Chief"] = {"replicas": chief, "restartPolicy": policy}
-    return {"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob",
-            "metadata": {"name": "j", "namespace": "ns", "uid": "uid-j", "generation": 1},
-            "spec": {"replicaSpecs": replica_specs, "training": {}, **spec}, "status": status or {}}
+    return {
+        "apiVersion": "tfps.io/v1alpha1",
+        "kind": "TrainingJob",
+        "metadata": {"name": "j", "namespace": "ns", "uid": "uid-j", "generation": 1},
+        "spec": {"replicaSpecs": replica_specs, "training": {}, **spec},
+        "status": status or {},
+    }
 
 
 def _pods(body, phase="Running", **overrides):
@@ -31,8 +36,11 @@ def _pods(body, phase="Running", **overrides):
         ph, code, restarts = overrides.get(name.replace("-", "_"), (phase, None, 0))
         pod["metadata"]["uid"] = f"uid-{name}"
         state = {"terminated": {"exitCode": code}} if code is not None else {"running": {}}
-        pod["status"] = {"phase": ph, "podIP": "127.0.0.5",
-                         "containerStatuses": [{"name": "tensorflow", "restartCount": restarts, "state": state}]}
+        pod["status"] = {
+            "phase": ph,
+            "podIP": "127.0.0.5",
+            "containerStatuses": [{"name": "tensorflow", "restartCount": restarts, "state": state}],
+        }
         pods.append(pod)
     return pods
 
@@ -65,8 +73,10 @@ def test_all_running_is_running_and_a_second_plan_changes_nothing():
     assert again.status == p.status and not again.events and not again.create
 
 
-@pytest.mark.parametrize("policy,code,restarted", [
-    ("OnFailure", 1, True), ("Always", 1, True), ("ExitCode", 137, True), ("ExitCode", 1, False), ("Never", 1, False)])
+@pytest.mark.parametrize(
+    "policy,code,restarted",
+    [("OnFailure", 1, True), ("Always", 1, True), ("ExitCode", 137, True), ("ExitCode", 1, False), ("Never", 1, False)],
+)
 def test_restart_policies(policy, code, restarted):
     body = _body(policy=policy)
     _settle(body, [])
@@ -91,7 +101,11 @@ def test_ps_failure_restarts_the_ps_and_job_comes_back_running():
     assert p.create == [(PS, 0)] and p.status["phase"] == "Restarting"
     p = _settle(body, _pods(body))
     assert p.status["phase"] == "Running"
-    assert {c["type"]: c["status"] for c in p.status["conditions"]} == {"Created": "True", "Running": "True", "Restarting": "False"}
+    assert {c["type"]: c["status"] for c in p.status["conditions"]} == {
+        "Created": "True",
+        "Running": "True",
+        "Restarting": "False",
+    }
 
 
 def test_backoff_limit_counts_recreations_and_in_place_restarts():
@@ -114,12 +128,15 @@ def test_in_place_restarts_over_the_limit_fail_the_job():
     assert p.status["phase"] == "Failed" and p.status["restartCount"] == 2
 
 
-@pytest.mark.parametrize("success_policy,finished,succeeded", [
-    ("", ["j_worker_0"], True),
-    ("", ["j_worker_1"], False),
-    ("AllWorkers", ["j_worker_0"], False),
-    ("AllWorkers", ["j_worker_0", "j_worker_1", "j_worker_2", "j_worker_3"], True),
-])
+@pytest.mark.parametrize(
+    "success_policy,finished,succeeded",
+    [
+        ("", ["j_worker_0"], True),
+        ("", ["j_worker_1"], False),
+        ("AllWorkers", ["j_worker_0"], False),
+        ("AllWorkers", ["j_worker_0", "j_worker_1", "j_worker_2", "j_worker_3"], True),
+    ],
+)
 def test_success_policy(success_policy, finished, succeeded):
     body = _body(successPolicy=success_policy)
     _settle(body, [])
@@ -134,7 +151,7 @@ def test_success_policy(success_policy, finished, succeeded):
 def test_chief_decides_success_when_present():
     body = _body(chief=1)
     _settle(body, [])
-    assert not _settle(body, _pods(body, j_worker_0=("Succeeded", 0, 0))).status["phase"] == "Succeeded"
+    assert _settle(body, _pods(body, j_worker_0=("Succeeded", 0, 0))).status["phase"] != "Succeeded"
     assert _settle(body, _pods(body, j_chief_0=("Succeeded", 0, 0))).status["phase"] == "Succeeded"
 
 
@@ -220,11 +237,18 @@ def test_success_takes_final_figures_from_worker_0s_termination_message():
     body["status"]["progress"] = {"step": 882, "loss": 0.3, "examplesPerSecond": 900.0}
     pods = _pods(body, j_worker_0=("Succeeded", 0, 0))
     worker0 = next(p for p in pods if p["metadata"]["name"] == "j-worker-0")
-    worker0["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = \
+    worker0["status"]["containerStatuses"][0]["state"]["terminated"]["message"] = (
         '{"worker":0,"steps":1000,"loss":0.0500001234,"accuracy":0.9694444,"auc":0.81234,"export_path":null}'
+    )
     p = reconcile.plan(body, pods, NOW)
     assert p.status["phase"] == "Succeeded"
-    assert p.status["progress"] == {"step": 1000, "loss": 0.05, "accuracy": 0.9694, "auc": 0.8123, "examplesPerSecond": 900.0}
+    assert p.status["progress"] == {
+        "step": 1000,
+        "loss": 0.05,
+        "accuracy": 0.9694,
+        "auc": 0.8123,
+        "examplesPerSecond": 900.0,
+    }
 
 
 @pytest.mark.parametrize("message", [None, "", "not json", "[1, 2]", '{"steps": "many"}'])
@@ -245,8 +269,14 @@ def test_pods_a_queue_has_not_admitted_are_explained_as_waiting_for_it():
     _settle(body, [])
     pods = _pods(body, phase="Pending")
     for pod in pods:  # Kueue gates every pod of the group until its Workload is admitted
-        pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated",
-                                        "message": "Scheduling is blocked due to non-empty scheduling gates"}]
+        pod["status"]["conditions"] = [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "SchedulingGated",
+                "message": "Scheduling is blocked due to non-empty scheduling gates",
+            }
+        ]
     p = _settle(body, pods)
     running = next(c for c in p.status["conditions"] if c["type"] == "Running")
     assert p.status["phase"] == "Pending" and running["status"] == "False" and running["reason"] == "SchedulingGated"
@@ -261,8 +291,14 @@ def test_unschedulable_pod_is_explained_not_silently_pending():
     pods = _pods(body, phase="Pending")
     for pod in pods:
         if pod["metadata"]["name"] == "j-worker-3":
-            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                            "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."}]
+            pod["status"]["conditions"] = [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
+                }
+            ]
     p = _settle(body, pods)
     assert p.status["phase"] == "Pending"
     running = next(c for c in p.status["conditions"] if c["type"] == "Running")

@@ -1,20 +1,20 @@
 """Small pure parts of the operator: progress from PS metrics, status merge patches,
 operator metrics and configuration. (The chart's rendering of the configuration is loaded by
 tests/unit/test_chart.py::test_operator_config_is_what_the_operator_reads, with helm.)"""
+
 from __future__ import annotations
 
 import pytest
 from prometheus_client import generate_latest
 from pydantic import ValidationError
+from support import sample
 
 from tfps.operator import progress
 from tfps.operator.config import OperatorConfig
-from tfps.operator.metrics import OperatorMetrics
 from tfps.operator.controller import CountsDelay
+from tfps.operator.metrics import OperatorMetrics
 from tfps.operator.status import counts_only, merge_patch
 from tfps.runtime.metrics import Identity, PSMetrics
-
-from support import sample
 
 
 def _page(step: int, loss: float, examples: int, index: int = 0) -> str:

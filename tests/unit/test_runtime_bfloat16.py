@@ -1,5 +1,6 @@
 """The PS's bfloat16 casts (runtime/bfloat16.py, in C): the values NumPy's astype through
 ml_dtypes gives, bit for bit, on random bit patterns and on the edge cases."""
+
 import numpy as np
 import pytest
 
@@ -8,9 +9,26 @@ from tfps.runtime.bfloat16 import as_float32, narrowed
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # astype of the NaNs
 BF16 = wire.dtype("bfloat16")
-EDGES = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF,  # ±0, ±Inf, ±the largest float (rounds to Inf)
-         0x3F808000, 0x3F818000, 0x3F807FFF, 0x00008000, 0x00018000, 1, 0x807FFFFF,  # ties to even, below half, subnormals
-         0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0xFFC00001, 0x7FA00000]  # NaNs: quiet and signalling, either sign
+EDGES = [
+    0,
+    0x80000000,
+    0x7F800000,
+    0xFF800000,
+    0x7F7FFFFF,
+    0xFF7FFFFF,  # ±0, ±Inf, ±the largest float (rounds to Inf)
+    0x3F808000,
+    0x3F818000,
+    0x3F807FFF,
+    0x00008000,
+    0x00018000,
+    1,
+    0x807FFFFF,  # ties to even, below half, subnormals
+    0x7FC00000,
+    0x7F800001,
+    0xFFFFFFFF,
+    0xFFC00001,
+    0x7FA00000,
+]  # NaNs: quiet and signalling, either sign
 
 
 def _floats(count: int) -> np.ndarray:
@@ -35,4 +53,7 @@ def test_widening_is_exact():
 def test_float32_passes_through_untouched():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     assert as_float32(x) is x and narrowed(x, np.dtype(np.float32)) is x and as_float32(None) is None
-    assert as_float32(x[:, ::2].astype(BF16)).tolist() == [[0.0, 2.0], [3.0, 5.0]]  # a strided one is made contiguous first
+    assert as_float32(x[:, ::2].astype(BF16)).tolist() == [
+        [0.0, 2.0],
+        [3.0, 5.0],
+    ]  # a strided one is made contiguous first

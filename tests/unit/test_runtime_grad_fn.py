@@ -1,6 +1,7 @@
 """The worker's gradient function (runtime/worker.py `make_grad_fn`): one trace per input
 dtypes, called with its inputs flattened, gives the gradients a plain GradientTape does, a
 table's rows summed (runtime/_rows.c `segment_sum`) bit for bit as TensorFlow sums them."""
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -46,19 +47,25 @@ def test_flattened_calls_give_the_tapes_gradients_for_batches_of_any_row_count()
         rows_seen.add(len(params[model.sparse_params[0].name]))
         # the parameters in another key order than the trace's: the flattening sorts them
         shuffled = dict(reversed(list(params.items())))
-        loss, grads = grad_fn({k: tf.constant(v) for k, v in shuffled.items()}, {k: tf.constant(v) for k, v in x.items()},
-                              tf.constant(y))
+        loss, grads = grad_fn(
+            {k: tf.constant(v) for k, v in shuffled.items()}, {k: tf.constant(v) for k, v in x.items()}, tf.constant(y)
+        )
         want_loss, want = _taped(model, params, x, y)
         assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
         assert set(grads) == set(params)
         for name, grad in grads.items():
-            np.testing.assert_allclose(np.asarray(grad), np.asarray(tf.convert_to_tensor(want[name])), rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(
+                np.asarray(grad), np.asarray(tf.convert_to_tensor(want[name])), rtol=1e-5, atol=1e-7
+            )
         for table in model.sparse_params:  # one row per id looked up, repeats too: summed as TensorFlow sums them
             slices = want[table.name]
             assert isinstance(slices, tf.IndexedSlices)
             summed = np.empty(grads[table.name].shape, np.float32)
-            _rows.segment_sum(slices.values.numpy().reshape(len(slices.values), -1), slices.indices.numpy().astype(np.int64),
-                              summed.reshape(len(summed), -1))
+            _rows.segment_sum(
+                slices.values.numpy().reshape(len(slices.values), -1),
+                slices.indices.numpy().astype(np.int64),
+                summed.reshape(len(summed), -1),
+            )
             np.testing.assert_array_equal(summed, tf.convert_to_tensor(slices).numpy())
     assert len(rows_seen) > 1  # the same trace served batches of different row counts
 

@@ -1,4 +1,5 @@
 """The health service's encodings against protobuf's own (grpcio-health-checking's messages)."""
+
 import pytest
 from grpc_health.v1 import health_pb2
 

@@ -4,6 +4,7 @@ A loop the compiler leaves scalar still gives the right numbers, so no other tes
 dense Adam loop was scalar for several releases (eight arrays are more than GCC checks for
 overlap at run time) and ran 3.3x slower. This asks GCC itself, with the flags of pyproject.toml's
 ext-module, which loops it vectorised."""
+
 from __future__ import annotations
 
 import platform
@@ -78,8 +79,10 @@ def test_the_check_can_fail(tmp_path):
     """The same question asked of a loop GCC cannot vectorise (each float depends on the one before),
     beside one it can."""
     src = tmp_path / "loops.c"
-    src.write_text("void scan(float *x, long n) {\n    for (long j = 1; j < n; j++) x[j] += x[j - 1] * 0.5f;\n}\n"
-                   "void scale(float *restrict x, long n) {\n    for (long j = 0; j < n; j++) x[j] *= 0.5f;\n}\n")
+    src.write_text(
+        "void scan(float *x, long n) {\n    for (long j = 1; j < n; j++) x[j] += x[j - 1] * 0.5f;\n}\n"
+        "void scale(float *restrict x, long n) {\n    for (long j = 0; j < n; j++) x[j] *= 0.5f;\n}\n"
+    )
     assert vectorised_lines(src, tmp_path / "loops.o", "-c") == {5}
 
 
@@ -94,5 +97,9 @@ def test_the_float_loops_have_an_avx2_build(built):
     symbols = subprocess.run([nm, str(built[1])], capture_output=True, text=True, check=True).stdout
     functions = [f"{name}_{kind}" for name in OPTIMIZERS for kind in ("rows", "loop")]
     functions += ["finite_floats", "narrow_loop", "widen_loop", "sum_rows"]
-    missing = [f for f in functions if not re.search(rf"\b{f}\.avx2\b", symbols) or not re.search(rf"\b{f}\.default\b", symbols)]
+    missing = [
+        f
+        for f in functions
+        if not re.search(rf"\b{f}\.avx2\b", symbols) or not re.search(rf"\b{f}\.default\b", symbols)
+    ]
     assert not missing, f"built without their AVX2 and baseline versions: {missing}"

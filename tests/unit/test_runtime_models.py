@@ -1,4 +1,5 @@
 """Built-in models and the data order: same seed, same batches; sync sharding adds up."""
+
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ def test_batches_are_positions_of_each_epochs_permutation(batch):
     for step in range(20):
         for w, source in enumerate(workers):
             start = (step * 2 + w) * batch
-            np.testing.assert_array_equal(source.indices(step), stream[start:start + batch])
+            np.testing.assert_array_equal(source.indices(step), stream[start : start + batch])
     assert sorted(stream[:50]) == list(range(50))
 
 

@@ -1,11 +1,12 @@
 """The PS optimizers (C kernels, dense and by rows) against the textbook update rules and NumPy."""
+
 import ml_dtypes
 import numpy as np
 import pytest
 
+from tfps.api.spec import OptimizerSpec
 from tfps.runtime import _rows
 from tfps.runtime.optimizers import NonFiniteGradient, ShardOptimizer
-from tfps.api.spec import OptimizerSpec
 
 RNG = np.random.default_rng(0)
 W0 = RNG.normal(size=(6, 3)).astype(np.float32)
@@ -27,7 +28,7 @@ def reference(name: str, spec: OptimizerSpec, w, grads):
         elif name == "adam":
             m = spec.beta1 * m + (1 - spec.beta1) * g
             v = spec.beta2 * v + (1 - spec.beta2) * g * g
-            lr_t = lr * np.sqrt(1 - spec.beta2 ** t) / (1 - spec.beta1 ** t)
+            lr_t = lr * np.sqrt(1 - spec.beta2**t) / (1 - spec.beta1**t)
             w -= lr_t * m / (np.sqrt(v) + spec.epsilon)
         elif name == "adagrad":
             acc += g * g
@@ -147,8 +148,11 @@ def test_the_row_kernels_refuse_arguments_that_do_not_fit_and_leave_the_table_as
         (ValueError, "outside the table", (table, np.array([-1, 3], np.int64), grad)),
         (ValueError, "width", (table, np.array([1, 2], np.int64), np.ones((2, 3), np.float32))),
         (ValueError, "2 rows", (table, np.array([1, 2], np.int64), np.ones((3, 4), np.float32))),
-        (TypeError, "gradient: expected a 2-D array of float32, got 2-D of format 'd'",
-         (table, np.array([1, 2], np.int64), grad.astype(np.float64))),
+        (
+            TypeError,
+            "gradient: expected a 2-D array of float32, got 2-D of format 'd'",
+            (table, np.array([1, 2], np.int64), grad.astype(np.float64)),
+        ),
         (TypeError, "int64", (table, np.array([1, 2], np.int32), grad)),
         (ValueError, "not C-contiguous", (table[:, :2], np.array([1, 2], np.int64), grad[:, :2])),
     ]
@@ -157,17 +161,40 @@ def test_the_row_kernels_refuse_arguments_that_do_not_fit_and_leave_the_table_as
             _rows.update_rows(0, (0.5, 0, 0, 0), (), args[0], {}, *args[1:])
         np.testing.assert_array_equal(table, np.ones((10, 4), np.float32))
     with pytest.raises(ValueError, match="shape differs"):
-        _rows.update_rows(2, (0.9, 0.999, 0.1, 1e-7), ("m", "v"), table,
-                          {"m": np.zeros((10, 4), np.float32), "v": np.zeros((9, 4), np.float32)}, np.array([1], np.int64), grad[:1])
+        _rows.update_rows(
+            2,
+            (0.9, 0.999, 0.1, 1e-7),
+            ("m", "v"),
+            table,
+            {"m": np.zeros((10, 4), np.float32), "v": np.zeros((9, 4), np.float32)},
+            np.array([1], np.int64),
+            grad[:1],
+        )
     with pytest.raises(ValueError, match="the table overlaps a slot"):  # the kernels take them as restrict pointers
-        _rows.update_rows(1, (0.5, 0.9, 0, 0), ("momentum",), table, {"momentum": table}, np.array([1], np.int64), grad[:1])
+        _rows.update_rows(
+            1, (0.5, 0.9, 0, 0), ("momentum",), table, {"momentum": table}, np.array([1], np.int64), grad[:1]
+        )
     with pytest.raises(KeyError, match="no slot 'v'"):
-        _rows.update_rows(2, (0.9, 0.999, 0.1, 1e-7), ("m", "v"), table, {"m": np.zeros((10, 4), np.float32)},
-                          np.array([1], np.int64), grad[:1])
+        _rows.update_rows(
+            2,
+            (0.9, 0.999, 0.1, 1e-7),
+            ("m", "v"),
+            table,
+            {"m": np.zeros((10, 4), np.float32)},
+            np.array([1], np.int64),
+            grad[:1],
+        )
     for opt, names in ((2, ("m",)), (0, ("m",)), (4, ())):
         with pytest.raises(ValueError, match="update_rows: an optimizer 0..3 and a tuple of its slots"):
-            _rows.update_rows(opt, (0.5, 0, 0, 0), names, table, {"m": np.zeros((10, 4), np.float32)}, np.array([1], np.int64),
-                              grad[:1])
+            _rows.update_rows(
+                opt,
+                (0.5, 0, 0, 0),
+                names,
+                table,
+                {"m": np.zeros((10, 4), np.float32)},
+                np.array([1], np.int64),
+                grad[:1],
+            )
     np.testing.assert_array_equal(table, np.ones((10, 4), np.float32))
 
 
@@ -288,5 +315,7 @@ def test_subnormal_floats_are_taken_as_zero_as_tensorflow_takes_them_and_the_cal
     np.testing.assert_array_equal(table, W0)
     if decaying:
         np.testing.assert_array_equal(row_slots[decaying][rows], 0)
-        np.testing.assert_array_equal(np.delete(row_slots[decaying], rows, axis=0), SUBNORMAL)  # untouched rows untouched
+        np.testing.assert_array_equal(
+            np.delete(row_slots[decaying], rows, axis=0), SUBNORMAL
+        )  # untouched rows untouched
     assert SUBNORMAL * np.float32(1) == SUBNORMAL  # the calling thread's own floats keep their subnormals

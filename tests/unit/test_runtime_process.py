@@ -1,4 +1,5 @@
 """What PS and worker processes read from their environment, and `tfps local`'s restart rules."""
+
 import json
 import os
 import subprocess
@@ -8,17 +9,28 @@ import time
 import pytest
 from support import MALLINFO_PRELUDE
 
+from tfps.api.spec import TrainingJob
 from tfps.runtime.local import Fault, LocalRun
 from tfps.runtime.process import ProcessConfig, cgroup_cpus
-from tfps.api.spec import TrainingJob
 
 
 def _env(**extra):
     return {
-        "TF_CONFIG": json.dumps({"cluster": {"ps": ["j-ps-0.j.ns.svc:2222", "j-ps-1.j.ns.svc:2345"], "worker": ["j-worker-0.j.ns.svc:2222"]},
-                                 "task": {"type": "ps", "index": 1}}),
-        "TFPS_TRAINING": json.dumps({"model": "mlp", "batchSize": 8, "consistency": {"mode": "bounded", "staleness": 3}}),
-        "TFPS_JOB_NAME": "j", "TFPS_NAMESPACE": "ns", "TFPS_BIND_ADDRESS": "10.1.2.3",
+        "TF_CONFIG": json.dumps(
+            {
+                "cluster": {
+                    "ps": ["j-ps-0.j.ns.svc:2222", "j-ps-1.j.ns.svc:2345"],
+                    "worker": ["j-worker-0.j.ns.svc:2222"],
+                },
+                "task": {"type": "ps", "index": 1},
+            }
+        ),
+        "TFPS_TRAINING": json.dumps(
+            {"model": "mlp", "batchSize": 8, "consistency": {"mode": "bounded", "staleness": 3}}
+        ),
+        "TFPS_JOB_NAME": "j",
+        "TFPS_NAMESPACE": "ns",
+        "TFPS_BIND_ADDRESS": "10.1.2.3",
         **extra,
     }
 
@@ -41,17 +53,31 @@ def test_missing_training_is_a_clear_error():
 
 
 def _job(ps_policy="OnFailure", worker_policy="OnFailure"):
-    return TrainingJob.model_validate({
-        "metadata": {"name": "t"},
-        "spec": {"replicaSpecs": {"PS": {"replicas": 1, "restartPolicy": ps_policy}, "Worker": {"replicas": 2, "restartPolicy": worker_policy}},
-                 "training": {"model": "digits-mlp"}},
-    })
+    return TrainingJob.model_validate(
+        {
+            "metadata": {"name": "t"},
+            "spec": {
+                "replicaSpecs": {
+                    "PS": {"replicas": 1, "restartPolicy": ps_policy},
+                    "Worker": {"replicas": 2, "restartPolicy": worker_policy},
+                },
+                "training": {"model": "digits-mlp"},
+            },
+        }
+    )
 
 
 @pytest.mark.parametrize(
     "policy, code, restart",
-    [("OnFailure", 1, True), ("OnFailure", -9, True), ("Never", -9, False), ("Always", 0, True),
-     ("ExitCode", 1, False), ("ExitCode", 137, True), ("ExitCode", -9, True)],
+    [
+        ("OnFailure", 1, True),
+        ("OnFailure", -9, True),
+        ("Never", -9, False),
+        ("Always", 0, True),
+        ("ExitCode", 1, False),
+        ("ExitCode", 137, True),
+        ("ExitCode", -9, True),
+    ],
 )
 def test_restart_policy_for_a_ps(tmp_path, policy, code, restart):
     run = LocalRun(_job(ps_policy=policy), workdir=tmp_path)
@@ -92,14 +118,18 @@ def test_threads_follow_the_pod_cpu_limit(tmp_path, content, cpus):
     assert cgroup_cpus(str(tmp_path / "absent"), v1_dir=nowhere) is None
 
 
-@pytest.mark.parametrize("quota, period, cpus", [("-1", "100000", None), ("100000", "100000", 1), ("150000", "100000", 2)])
+@pytest.mark.parametrize(
+    "quota, period, cpus", [("-1", "100000", None), ("100000", "100000", 1), ("150000", "100000", 2)]
+)
 def test_threads_follow_the_cgroup_v1_cfs_quota(tmp_path, quota, period, cpus):
     (tmp_path / "cpu.cfs_quota_us").write_text(quota + "\n")
     (tmp_path / "cpu.cfs_period_us").write_text(period + "\n")
     assert cgroup_cpus(str(tmp_path / "no-cpu.max"), v1_dir=str(tmp_path)) == cpus
 
 
-_MALLINFO = MALLINFO_PRELUDE + r"""
+_MALLINFO = (
+    MALLINFO_PRELUDE
+    + r"""
 import sys
 if sys.argv[1] == "tuned":
     from tfps.runtime.malloc import keep_large_buffers
@@ -109,6 +139,7 @@ mmapped = libc.mallinfo2().hblkhd
 del block
 print(mmapped >= 16 << 20, libc.mallinfo2().fordblks >= 16 << 20)
 """
+)
 
 
 @pytest.mark.parametrize("mode, mmapped, kept", [("default", True, False), ("tuned", False, True)])
@@ -116,7 +147,9 @@ def test_large_buffers_are_kept_in_the_heap(mode, mmapped, kept):
     """glibc's own accounting (mallinfo2), in a fresh process each: by default a 16 MiB block
     is mmapped and given back when freed; with keep_large_buffers it comes from the heap and
     stays there for the next step's message."""
-    out = subprocess.run([sys.executable, "-c", _MALLINFO, mode], capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _MALLINFO, mode], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == [str(mmapped), str(kept)]
 
 
@@ -184,8 +217,9 @@ def test_a_process_runs_under_sched_batch_unless_told_not_to(setting, policy):
         env["TFPS_SCHED_BATCH"] = setting
     # from the default policy, whatever this process runs under (a bench test may have set SCHED_BATCH)
     other = lambda: os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # noqa: E731
-    out = subprocess.run([sys.executable, "-c", _POLICY], capture_output=True, text=True, check=True, env=env,
-                         preexec_fn=other).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _POLICY], capture_output=True, text=True, check=True, env=env, preexec_fn=other
+    ).stdout.split()
     assert out == ["batch" if policy == "batch" else "default", policy, policy]
 
 

@@ -1,5 +1,6 @@
 """The PS holds its shard's parameters and slots and little else: no TensorFlow, no copy of a
 table to initialise, checkpoint or restore it, and checkpoints still of one version."""
+
 import os
 import subprocess
 import sys
@@ -22,13 +23,29 @@ ARGS = {"vocabSize": 4_000, "fields": 4, "embeddingDim": 8, "hidden": [8], "samp
 
 
 def _shard(tmp_path, optimizer="adam", index=0):
-    training = TrainingSpec.model_validate({
-        "model": "wide-deep", "modelArgs": ARGS, "optimizer": {"name": optimizer, "learningRate": 0.01},
-        "batchSize": 32, "steps": 1000, "consistency": {"mode": "async"}, "checkpoint": {"everySteps": 10**6}})
+    training = TrainingSpec.model_validate(
+        {
+            "model": "wide-deep",
+            "modelArgs": ARGS,
+            "optimizer": {"name": optimizer, "learningRate": 0.01},
+            "batchSize": 32,
+            "steps": 1000,
+            "consistency": {"mode": "async"},
+            "checkpoint": {"everySteps": 10**6},
+        }
+    )
     model = load_model("wide-deep", ARGS, 0)
     parts = place(model.params, 2).for_ps(index)
-    return Shard(parts, {p.name: p for p in model.params}, training, 1, index, PSMetrics(Identity("t", "default", "ps", index)),
-                 checkpoint_root=str(tmp_path), num_ps=2)
+    return Shard(
+        parts,
+        {p.name: p for p in model.params},
+        training,
+        1,
+        index,
+        PSMetrics(Identity("t", "default", "ps", index)),
+        checkpoint_root=str(tmp_path),
+        num_ps=2,
+    )
 
 
 def _push(shard, rng):
@@ -46,23 +63,33 @@ def _push(shard, rng):
 def _state(shard) -> dict[str, np.ndarray]:
     with shard.cond:
         tensors = shard._snapshot()[1]
-    return {k: np.concatenate(list(v.blocks())) if isinstance(v, RowSnapshot) else np.array(v) for k, v in tensors.items()}
+    return {
+        k: np.concatenate(list(v.blocks())) if isinstance(v, RowSnapshot) else np.array(v) for k, v in tensors.items()
+    }
 
 
 def _in_a_fresh_process(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
 
 def test_the_ps_of_a_float32_job_imports_neither_tensorflow_nor_ml_dtypes():
     """ml_dtypes (bfloat16) costs a PS 7 MiB resident: only a bfloat16 job loads it."""
-    serve = ("import sys, numpy as np; import tfps.runtime.ps_main, tfps.runtime.ps, tfps.runtime.checkpoint, tfps.runtime.optimizers; "
-             "from tfps.runtime import wire; "
-             "m = wire.decode(wire.encode({}, {'w': np.ones(3, np.float32), 'i': np.arange(2)})); ")
-    assert _in_a_fresh_process(serve + "print(sorted(k for k in ('tensorflow', 'ml_dtypes') if k in sys.modules))") == "[]"
+    serve = (
+        "import sys, numpy as np; import tfps.runtime.ps_main, tfps.runtime.ps, tfps.runtime.checkpoint, tfps.runtime.optimizers; "
+        "from tfps.runtime import wire; "
+        "m = wire.decode(wire.encode({}, {'w': np.ones(3, np.float32), 'i': np.arange(2)})); "
+    )
+    assert (
+        _in_a_fresh_process(serve + "print(sorted(k for k in ('tensorflow', 'ml_dtypes') if k in sys.modules))") == "[]"
+    )
     bf16 = "m = wire.decode(wire.encode({}, {'w': np.ones(3, np.float32).astype(wire.dtype('bfloat16'))})); "
-    assert _in_a_fresh_process(serve + bf16 + "print(m.tensors['w'].dtype, 'ml_dtypes' in sys.modules)") == "bfloat16 True"
+    assert (
+        _in_a_fresh_process(serve + bf16 + "print(m.tensors['w'].dtype, 'ml_dtypes' in sys.modules)") == "bfloat16 True"
+    )
 
 
 def test_a_part_of_a_large_table_is_drawn_without_a_temporary_the_size_of_the_table():
@@ -173,9 +200,17 @@ def test_load_rows_copies_a_mapped_tensor_block_by_block(tmp_path):
 
 def test_a_scalar_parameter_stays_a_scalar(tmp_path):
     params = [Param("bias", (), init="normal:0.1"), Param("w", (3, 2))]
-    training = TrainingSpec.model_validate({"optimizer": {"name": "adam", "learningRate": 0.1}, "steps": 10,
-                                            "consistency": {"mode": "async"}})
-    shard = Shard(place(params, 1).for_ps(0), {p.name: p for p in params}, training, 1, 0, PSMetrics(Identity("t", "default", "ps", 0)))
+    training = TrainingSpec.model_validate(
+        {"optimizer": {"name": "adam", "learningRate": 0.1}, "steps": 10, "consistency": {"mode": "async"}}
+    )
+    shard = Shard(
+        place(params, 1).for_ps(0),
+        {p.name: p for p in params},
+        training,
+        1,
+        0,
+        PSMetrics(Identity("t", "default", "ps", 0)),
+    )
     assert shard.vars["bias"].shape == () and shard.slots["bias"]["m"].shape == ()
     new, slots = shard.optimizer.apply_dense(shard.vars["bias"], shard.slots["bias"], np.float32(1.0).reshape(()), 1)
     assert new.shape == () and slots["m"].shape == () and float(new) < float(shard.vars["bias"])

@@ -2,6 +2,7 @@
 the same updates, the same reply bytes and the same counts as the PS's Python path, which still
 takes everything else (a retried push, a checkpoint reading the tables, a NaN refused). Two real
 Shards from the same parameters, one with the C call turned off, given the same requests."""
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
@@ -19,12 +20,26 @@ PLAN = place(MODEL.params, 2)
 
 
 def _shard(ps_index: int, optimizer: str, one_call: bool) -> tuple[Shard, CollectorRegistry]:
-    training = TrainingSpec.model_validate({
-        "model": "wide-deep", "modelArgs": ARGS, "optimizer": {"name": optimizer, "learningRate": 0.01},
-        "batchSize": 32, "steps": 1000, "consistency": {"mode": "async"}})
+    training = TrainingSpec.model_validate(
+        {
+            "model": "wide-deep",
+            "modelArgs": ARGS,
+            "optimizer": {"name": optimizer, "learningRate": 0.01},
+            "batchSize": 32,
+            "steps": 1000,
+            "consistency": {"mode": "async"},
+        }
+    )
     registry = CollectorRegistry()
-    shard = Shard(PLAN.for_ps(ps_index), {p.name: p for p in MODEL.params}, training, 2, ps_index,
-                  PSMetrics(Identity("t", "default", "ps", ps_index), registry), num_ps=2)
+    shard = Shard(
+        PLAN.for_ps(ps_index),
+        {p.name: p for p in MODEL.params},
+        training,
+        2,
+        ps_index,
+        PSMetrics(Identity("t", "default", "ps", ps_index), registry),
+        num_ps=2,
+    )
     shard._one_call = shard._one_call and one_call
     shard.incarnation = "same"  # else a random token each, in every reply
     return shard, registry
@@ -47,7 +62,15 @@ def _requests(ps_index: int, count: int, seed: int = 0) -> list[bytes]:
             count_ids = sum(len(local) for _, _, local in routes[table.name])
             grads[table.name] = rng.standard_normal((count_ids, *table.shape[1:])).astype(np.float32)
         tensors = {**PLAN.split_push(dense, grads, routes)[ps_index], **PLAN.rows_asked(ahead)[ps_index]}
-        meta = {"worker": worker, "workers": 2, "tag": step // 2, "seq": seqs[worker], "pull": True, "batch": 32, "loss": 0.5}
+        meta = {
+            "worker": worker,
+            "workers": 2,
+            "tag": step // 2,
+            "seq": seqs[worker],
+            "pull": True,
+            "batch": 32,
+            "loss": 0.5,
+        }
         seqs[worker] += 1
         out.append(wire.encode(meta, tensors))
     return out
@@ -80,15 +103,25 @@ def calls(monkeypatch) -> list:
 def test_one_call_applies_and_answers_as_the_python_path(optimizer, ps_index, calls):
     (fast, fast_reg), (slow, slow_reg) = _shard(ps_index, optimizer, True), _shard(ps_index, optimizer, False)
     for request in _requests(ps_index, 6):
-        assert _bytes(fast.step(memoryview(request), encoding="pieces")) == _bytes(slow.step(memoryview(request), encoding="pieces"))
-    assert len(calls) == 6 and all(shard_vars is fast.vars for shard_vars in calls)  # the Python shard never made the call
+        assert _bytes(fast.step(memoryview(request), encoding="pieces")) == _bytes(
+            slow.step(memoryview(request), encoding="pieces")
+        )
+    assert len(calls) == 6 and all(
+        shard_vars is fast.vars for shard_vars in calls
+    )  # the Python shard never made the call
     assert fast.version == slow.version == 6 and fast.examples == slow.examples and fast.clocks == slow.clocks == [3, 3]
     fast_state, slow_state = _state(fast), _state(slow)
     assert fast_state.keys() == slow_state.keys()
     for name in fast_state:
         np.testing.assert_array_equal(fast_state[name], slow_state[name], err_msg=name)
-    for counter in ("tfps_ps_updates_applied_total", "tfps_ps_sent_bytes_total", "tfps_ps_received_bytes_total",
-                    "tfps_ps_examples_total", "tfps_ps_apply_seconds_count", "tfps_ps_gradient_staleness_sum"):
+    for counter in (
+        "tfps_ps_updates_applied_total",
+        "tfps_ps_sent_bytes_total",
+        "tfps_ps_received_bytes_total",
+        "tfps_ps_examples_total",
+        "tfps_ps_apply_seconds_count",
+        "tfps_ps_gradient_staleness_sum",
+    ):
         assert _count(fast_reg, counter) == _count(slow_reg, counter) > 0, counter
 
 
@@ -121,10 +154,14 @@ def test_a_retried_push_and_a_checkpoint_reading_a_table_take_the_python_path(ca
     fast.step(memoryview(first), encoding="pieces")
     slow.step(memoryview(first), encoding="pieces")
     # the same push again (its reply lost): not applied twice, answered alike
-    assert _bytes(fast.step(memoryview(first), encoding="pieces")) == _bytes(slow.step(memoryview(first), encoding="pieces"))
+    assert _bytes(fast.step(memoryview(first), encoding="pieces")) == _bytes(
+        slow.step(memoryview(first), encoding="pieces")
+    )
     assert len(calls) == 1 and fast.version == 1 and _count(registry, "tfps_ps_duplicate_pushes_total") == 1
     # a checkpoint reading the table keeps the rows as they were when it began
-    table = next(name for name, part in fast.parts.items() if part.sparse and len(part.shape) == 2 and part.shape[1] > 1)
+    table = next(
+        name for name, part in fast.parts.items() if part.sparse and len(part.shape) == 2 and part.shape[1] > 1
+    )
     with fast.cond:
         snapshot = fast._read_whole(table, fast.vars[table])
     kept = np.array(fast.vars[table])
@@ -147,7 +184,9 @@ def test_pushes_of_rows_alone_or_asking_no_rows_are_answered_alike(calls):
         msg = wire.decode(request)
         keep = (lambda name: ":" in name) if i % 2 == 0 else (lambda name: not name.endswith(":rows"))
         trimmed = wire.encode(msg.meta, {name: arr for name, arr in msg.tensors.items() if keep(name)})
-        assert _bytes(fast.step(memoryview(trimmed), encoding="pieces")) == _bytes(slow.step(memoryview(trimmed), encoding="pieces"))
+        assert _bytes(fast.step(memoryview(trimmed), encoding="pieces")) == _bytes(
+            slow.step(memoryview(trimmed), encoding="pieces")
+        )
     assert len(calls) == 4
     fast_state, slow_state = _state(fast), _state(slow)
     for name in fast_state:

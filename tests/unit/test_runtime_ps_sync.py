@@ -1,6 +1,7 @@
 """A sync step's sum reads each push from its request's own buffer while that request waits for
 the step, and copies a push only when its request is answered before the step closes: the data
 path reads the worker's next request into the same buffer once it has the reply."""
+
 import threading
 
 import numpy as np
@@ -18,12 +19,26 @@ LR = 0.5
 
 
 def _shard(workers: int) -> Shard:
-    training = TrainingSpec.model_validate({
-        "model": "mlp", "modelArgs": ARGS, "optimizer": {"name": "sgd", "learningRate": LR}, "batchSize": 8,
-        "steps": 100, "consistency": {"mode": "sync"}, "checkpoint": {"everySteps": 10**6}})
+    training = TrainingSpec.model_validate(
+        {
+            "model": "mlp",
+            "modelArgs": ARGS,
+            "optimizer": {"name": "sgd", "learningRate": LR},
+            "batchSize": 8,
+            "steps": 100,
+            "consistency": {"mode": "sync"},
+            "checkpoint": {"everySteps": 10**6},
+        }
+    )
     model = load_model("mlp", ARGS, 0)
-    return Shard(place(model.params, 1).for_ps(0), {p.name: p for p in model.params}, training, workers, 0,
-                 PSMetrics(Identity("t", "default", "ps", 0)))
+    return Shard(
+        place(model.params, 1).for_ps(0),
+        {p.name: p for p in model.params},
+        training,
+        workers,
+        0,
+        PSMetrics(Identity("t", "default", "ps", 0)),
+    )
 
 
 def _gradients(shard: Shard, seed: int) -> dict[str, np.ndarray]:
@@ -85,4 +100,6 @@ def test_a_push_answered_before_its_step_closes_is_kept_before_its_buffer_is_reu
     assert reply.meta["version"] == 1
     for name, var in shard.vars.items():
         assert np.isfinite(var).all(), name
-        np.testing.assert_allclose(var, before[name] - LR * (g0[name] + g1[name]) / 2, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            var, before[name] - LR * (g0[name] + g1[name]) / 2, rtol=1e-5, atol=1e-6, err_msg=name
+        )

@@ -1,6 +1,7 @@
 """Reply buffers of the data path are reused only once no reply in them is in use
 (runtime/datapath.py ReplyBuffers): the worker's parameters are TensorFlow tensors that share
 a reply's memory (runtime/zerocopy.py), so overwriting a buffer they live in would change them."""
+
 import numpy as np
 
 from tfps.runtime import wire

@@ -1,4 +1,5 @@
 """Placement of parameters on PS shards: deterministic, size-balanced, tables partitioned."""
+
 import numpy as np
 import pytest
 
@@ -41,7 +42,10 @@ def test_route_rows_splits_ids_by_part():
     plan = place([Param("t", (10, 2), sparse=True, feature="ids")], 2)
     ids = np.array([0, 3, 5, 9], np.int64)
     routes = route_rows(plan.parts_of("t"), ids)
-    assert [(part.ps, list(pos), list(local)) for part, pos, local in routes] == [(0, [0, 1], [0, 3]), (1, [2, 3], [0, 4])]
+    assert [(part.ps, list(pos), list(local)) for part, pos, local in routes] == [
+        (0, [0, 1], [0, 3]),
+        (1, [2, 3], [0, 4]),
+    ]
 
 
 def test_a_push_is_split_by_part_and_the_rows_asked_for_go_to_their_ps():
@@ -52,13 +56,16 @@ def test_a_push_is_split_by_part_and_the_rows_asked_for_go_to_their_ps():
     assert len(plan.parts_of("big")) == 2 and len(plan.parts_of("bias")) == 1
     ids = np.array([0, 3, 5, 9], np.int64)
     routes = {"t": route_rows(plan.parts_of("t"), ids)}
-    grads = {"big": np.arange(12, dtype=np.float32).reshape(4, 3), "bias": np.ones(3, np.float32),
-             "t": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    grads = {
+        "big": np.arange(12, dtype=np.float32).reshape(4, 3),
+        "bias": np.ones(3, np.float32),
+        "t": np.arange(8, dtype=np.float32).reshape(4, 2),
+    }
     pushes = plan.split_push(["big", "bias"], grads, routes)
     bias_ps = plan.parts_of("bias")[0].ps
     for k, push in enumerate(pushes):
         big = plan.parts_of("big")[k]
-        np.testing.assert_array_equal(push[big.name], grads["big"][big.start:big.stop])
+        np.testing.assert_array_equal(push[big.name], grads["big"][big.start : big.stop])
         assert ("bias" in push) == (k == bias_ps)
         assert push["t/part-%d:indices" % k].dtype == np.int64
     np.testing.assert_array_equal(pushes[0]["t/part-0:indices"], [0, 3])
@@ -74,7 +81,7 @@ def _id_batches():
     rng = np.random.default_rng(7)
     yield np.zeros((0, 8), np.int64)
     yield np.full((3, 5), -7, np.int64)
-    yield rng.integers(-2**62, 2**62, (64, 8))  # values that differ in every byte, signs mixed
+    yield rng.integers(-(2**62), 2**62, (64, 8))  # values that differ in every byte, signs mixed
     yield rng.integers(0, 50, 1000)  # many repeats
     yield rng.integers(0, 2**40, (512, 8))
     for _ in range(20):  # the click model's power-law ids

@@ -1,4 +1,5 @@
 """The PS wire format: raw tensor bytes round-trip, and malformed messages are named."""
+
 import numpy as np
 import pytest
 
@@ -7,9 +8,16 @@ from tfps.runtime import wire
 
 def test_round_trip_keeps_names_dtypes_shapes_and_values():
     grid = np.arange(20, dtype=np.float32).reshape(4, 5)
-    tensors = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "idx": np.array([5, 1], np.int64), "s": np.float32(2.5).reshape(()),
-               "none": np.empty((0, 64), np.float32), "rows": grid[1:3], "cols": grid[:, 1:3], "half": np.ones(3, np.float16),
-               "i32": np.array([[7, -8]], np.int32)}
+    tensors = {
+        "w": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "idx": np.array([5, 1], np.int64),
+        "s": np.float32(2.5).reshape(()),
+        "none": np.empty((0, 64), np.float32),
+        "rows": grid[1:3],
+        "cols": grid[:, 1:3],
+        "half": np.ones(3, np.float16),
+        "i32": np.array([[7, -8]], np.int32),
+    }
     msg = wire.decode(wire.encode({"worker": 1, "tag": 7}, tensors))
     assert msg.meta == {"worker": 1, "tag": 7}
     for name, arr in tensors.items():
@@ -101,8 +109,15 @@ def test_a_message_without_alignment_still_decodes_and_a_bad_align_is_refused():
 
 def test_address_is_where_the_array_starts():
     grid = np.arange(20, dtype=np.float32).reshape(4, 5)
-    arrays = [wire.aligned_array((3, 5), np.float32), grid[1:3], grid[:, 1:3], np.ones((2, 3), wire.dtype("bfloat16")),
-              np.empty(0, np.float32), np.frombuffer(bytes(64), np.uint8), np.array(3.0, np.float32)]
+    arrays = [
+        wire.aligned_array((3, 5), np.float32),
+        grid[1:3],
+        grid[:, 1:3],
+        np.ones((2, 3), wire.dtype("bfloat16")),
+        np.empty(0, np.float32),
+        np.frombuffer(bytes(64), np.uint8),
+        np.array(3.0, np.float32),
+    ]
     for arr in arrays:
         assert wire.address(arr) == arr.ctypes.data
     assert all(wire.address(wire.aligned_empty(n)) % wire.ALIGN == 0 for n in (1, 100, 1 << 20))

@@ -1,6 +1,7 @@
 """The wire format framed and read in C (runtime/_rows.c's encode_message and read_header): the
 same bytes and the same header as runtime/wire.py's Python makes and reads, and everything else
 left to that Python, which says what is wrong with a malformed message."""
+
 import json
 import struct
 
@@ -61,14 +62,18 @@ def test_a_push_is_framed_in_c_byte_for_byte_as_in_python(python_only):
         np.testing.assert_array_equal(msg.tensors[name], arr)
 
 
-@pytest.mark.parametrize("tensor", [
-    np.ones(3, np.float16),
-    np.ones(3, np.int32),
-    np.ones((4, 4), np.float32)[:, 1],  # not contiguous
-    np.float32(2.5).reshape(()),  # 0-d
-    np.ones(3, np.float32).view(np.recarray),  # not the ndarray type itself
-    np.ones(3, wire.dtype("bfloat16")),
-], ids=["float16", "int32", "strided", "0-d", "subclass", "bfloat16"])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        np.ones(3, np.float16),
+        np.ones(3, np.int32),
+        np.ones((4, 4), np.float32)[:, 1],  # not contiguous
+        np.float32(2.5).reshape(()),  # 0-d
+        np.ones(3, np.float32).view(np.recarray),  # not the ndarray type itself
+        np.ones(3, wire.dtype("bfloat16")),
+    ],
+    ids=["float16", "int32", "strided", "0-d", "subclass", "bfloat16"],
+)
 def test_any_other_tensor_is_framed_by_python(tensor, python_only):
     tensors = {"ok": np.arange(4, dtype=np.float32), "other": tensor}
     assert _rows.encode_message(wire.json_dumps({}), tensors) is None
@@ -94,18 +99,21 @@ def _message(entries: list, payload: int, **head) -> bytes:
     return struct.pack("<I", len(header)) + header + bytes(payload)
 
 
-@pytest.mark.parametrize("data, reason", [
-    (_message([["w", "float32", [4, 4], 64]], 60), "truncated"),
-    (_message([["w", "float32", [4, 4], 64]], 70), "truncated"),
-    (_message([["w", "float32", [4, 4], 60]], 60), "wrong_shape"),
-    (_message([["w", "float32", [-1, 4], -16]], 0), "wrong_shape"),
-    (_message([["w", "object", [1], 8]], 8), "wrong_dtype"),
-    (_message([["w", "float32", [1]]], 4), "wrong_dtype"),
-    (_message([], 0, align=0), "malformed"),
-    (_message([], 0, align=True), "malformed"),
-    (b"\x05\x00\x00\x00{not json", "malformed"),
-    (b"\x01\x00", "truncated"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (_message([["w", "float32", [4, 4], 64]], 60), "truncated"),
+        (_message([["w", "float32", [4, 4], 64]], 70), "truncated"),
+        (_message([["w", "float32", [4, 4], 60]], 60), "wrong_shape"),
+        (_message([["w", "float32", [-1, 4], -16]], 0), "wrong_shape"),
+        (_message([["w", "object", [1], 8]], 8), "wrong_dtype"),
+        (_message([["w", "float32", [1]]], 4), "wrong_dtype"),
+        (_message([], 0, align=0), "malformed"),
+        (_message([], 0, align=True), "malformed"),
+        (b"\x05\x00\x00\x00{not json", "malformed"),
+        (b"\x01\x00", "truncated"),
+    ],
+)
 def test_a_malformed_header_is_left_to_python_which_names_what_is_wrong(data, reason):
     assert _rows.read_header(data, len(data)) is None
     with pytest.raises(wire.WireError) as err:
@@ -114,7 +122,11 @@ def test_a_malformed_header_is_left_to_python_which_names_what_is_wrong(data, re
 
 
 def test_what_python_reads_its_own_way_is_left_to_it(python_only):
-    for entries, payload in ([["w", "bfloat16", [2], 4]], 4), ([["w", "float32", [2.0], 8]], 8), ([[7, "float32", [1], 4]], 4):
+    for entries, payload in (
+        ([["w", "bfloat16", [2], 4]], 4),
+        ([["w", "float32", [2.0], 8]], 8),
+        ([[7, "float32", [1], 4]], 4),
+    ):
         data = _message(entries, payload)
         assert _rows.read_header(data, len(data)) is None
         assert wire.header(memoryview(data), len(data)) == python_only(wire.header, memoryview(data), len(data))

@@ -1,4 +1,5 @@
 """NumPy to TensorFlow without a copy where TensorFlow can use the memory (runtime/zerocopy.py)."""
+
 import numpy as np
 
 from tfps.runtime import wire

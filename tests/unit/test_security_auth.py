@@ -1,5 +1,6 @@
 """runtime/auth.py without sockets: reading a pod's security material, and the server
 interceptor's decision (a real grpc.ServerInterceptor called the way grpcio calls it)."""
+
 from __future__ import annotations
 
 from collections import namedtuple
@@ -46,14 +47,17 @@ def _decide(metadata, method=STEP):
     return chosen is handler, chosen
 
 
-@pytest.mark.parametrize("metadata, admitted", [
-    ((("authorization", "Bearer s3cret"),), True),
-    ((), False),
-    ((("authorization", "Bearer wrong"),), False),
-    ((("authorization", "s3cret"),), False),
-    ((("authorization", "Bearer s3cret2"),), False),
-    ((("x-other", "Bearer s3cret"),), False),
-])
+@pytest.mark.parametrize(
+    "metadata, admitted",
+    [
+        ((("authorization", "Bearer s3cret"),), True),
+        ((), False),
+        ((("authorization", "Bearer wrong"),), False),
+        ((("authorization", "s3cret"),), False),
+        ((("authorization", "Bearer s3cret2"),), False),
+        ((("x-other", "Bearer s3cret"),), False),
+    ],
+)
 def test_interceptor_admits_only_the_job_token(metadata, admitted):
     assert _decide(metadata)[0] is admitted
 
@@ -76,9 +80,16 @@ def test_entry_point_refuses_to_start_without_its_named_token(role, tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "TF_CONFIG": json.dumps({"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
-                                                  "task": {"type": role, "index": 0}}),
-           "TFPS_TRAINING": json.dumps({"steps": 1}), ENV_AUTH_TOKEN_FILE: str(tmp_path / "missing" / "token")}
-    proc = subprocess.run([sys.executable, "-m", "tfps.cli.main", role], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "TF_CONFIG": json.dumps(
+            {"cluster": {"ps": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, "task": {"type": role, "index": 0}}
+        ),
+        "TFPS_TRAINING": json.dumps({"steps": 1}),
+        ENV_AUTH_TOKEN_FILE: str(tmp_path / "missing" / "token"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfps.cli.main", role], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cannot read" in proc.stderr and "token" in proc.stderr

@@ -1,5 +1,6 @@
 """The operator's security builders: the job's Secret, its NetworkPolicy, and the hardened,
 Secret-mounting pods (pure functions, no cluster)."""
+
 from __future__ import annotations
 
 import base64
@@ -15,20 +16,26 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from tfps.api import naming
+from tfps.api.naming import dns_name
+from tfps.api.spec import ReplicaType, TrainingJob
 from tfps.operator import builders, security
 from tfps.operator.config import OperatorConfig
 from tfps.runtime import pki
-from tfps.api.spec import ReplicaType, TrainingJob
-from tfps.api.naming import dns_name
 
 
 def _job(name="digits", namespace="team-a", uid="1234", template=None, training=True) -> TrainingJob:
-    spec = {"replicaSpecs": {"PS": {"replicas": 2, **({"template": template} if template else {})},
-                             "Worker": {"replicas": 3, **({"template": template} if template else {})}}}
+    spec = {
+        "replicaSpecs": {
+            "PS": {"replicas": 2, **({"template": template} if template else {})},
+            "Worker": {"replicas": 3, **({"template": template} if template else {})},
+        }
+    }
     if training:
         spec["training"] = {"steps": 10}
     meta = {"name": name, "namespace": namespace, **({"uid": uid} if uid else {})}
-    return TrainingJob.model_validate({"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": meta, "spec": spec})
+    return TrainingJob.model_validate(
+        {"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": meta, "spec": spec}
+    )
 
 
 def _secret_files(secret: dict) -> dict[str, bytes]:
@@ -69,7 +76,7 @@ def test_job_certificate_names_every_pod_and_is_signed_by_the_job_ca():
     assert host.split(".", 1)[1] == names[0].split(".", 1)[1]
     usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert ExtendedKeyUsageOID.SERVER_AUTH in usages
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     assert cert.not_valid_before_utc < now < cert.not_valid_after_utc
     key = serialization.load_pem_private_key(files[naming.KEY_KEY], None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
@@ -99,10 +106,15 @@ def test_network_policy_admits_grpc_and_data_path_only_from_the_same_job_and_met
 
 def test_network_policy_metrics_from_is_configurable_and_policy_can_be_off():
     peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-    config = OperatorConfig.model_validate({"networkPolicy": {"metricsFrom": peers}, "ports": {"grpc": 3000, "metrics": 9100}})
+    config = OperatorConfig.model_validate(
+        {"networkPolicy": {"metricsFrom": peers}, "ports": {"grpc": 3000, "metrics": 9100}}
+    )
     _, metrics_rule = security.build_network_policy(_job(), config)["spec"]["ingress"]
     assert metrics_rule == {"ports": [{"protocol": "TCP", "port": 9100}], "from": peers}
-    kinds = [o["kind"] for o in security.job_objects(_job(), OperatorConfig.model_validate({"networkPolicy": {"enabled": False}}))]
+    kinds = [
+        o["kind"]
+        for o in security.job_objects(_job(), OperatorConfig.model_validate({"networkPolicy": {"enabled": False}}))
+    ]
     assert kinds == ["Secret"]
     assert [o["kind"] for o in security.job_objects(_job(), OperatorConfig())] == ["Secret", "NetworkPolicy"]
 
@@ -157,9 +169,18 @@ def test_chart_defaults_match_the_operator_defaults():
 
 
 def test_user_template_keeps_its_own_volumes_and_env():
-    template = {"spec": {"volumes": [{"name": "data", "emptyDir": {}}],
-                         "containers": [{"name": "tensorflow", "env": [{"name": "X", "value": "1"}],
-                                         "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]}}
+    template = {
+        "spec": {
+            "volumes": [{"name": "data", "emptyDir": {}}],
+            "containers": [
+                {
+                    "name": "tensorflow",
+                    "env": [{"name": "X", "value": "1"}],
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+                }
+            ],
+        }
+    }
     pod = builders.build_pod(_job(template=template), ReplicaType.WORKER, 0, OperatorConfig())
     names = {v["name"] for v in pod["spec"]["volumes"]}
     assert {"data", "tmp", security.AUTH_VOLUME} <= names

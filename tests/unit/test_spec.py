@@ -1,11 +1,12 @@
 """The spec types and TF_CONFIG: what the operator, `tfps local` and the pods all rely on."""
+
 import json
 
 import pytest
 from pydantic import ValidationError
 
-from tfps.api.spec import ReplicaType, TrainingJob, TrainingJobSpec
 from tfps.api.naming import pod_name
+from tfps.api.spec import ReplicaType, TrainingJob, TrainingJobSpec
 from tfps.api.tfconfig import ClusterConfig, tf_config
 
 
@@ -48,7 +49,12 @@ def test_tf_config_has_every_training_replica_and_dns_names():
 
 def test_manifest_round_trip():
     job = TrainingJob.model_validate(
-        {"apiVersion": "tfps.io/v1alpha1", "kind": "TrainingJob", "metadata": {"name": "a"}, "spec": _spec().to_manifest()}
+        {
+            "apiVersion": "tfps.io/v1alpha1",
+            "kind": "TrainingJob",
+            "metadata": {"name": "a"},
+            "spec": _spec().to_manifest(),
+        }
     )
     assert job.name == "a" and job.namespace == "default"
     assert pod_name(job.name, ReplicaType.PS, 1) == "a-ps-1"
