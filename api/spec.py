@@ -8,7 +8,7 @@ manifest's (camelCase) through aliases; Python code uses snake_case.
 from __future__ import annotations
 
 import re
-from enum import Enum, StrEnum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 

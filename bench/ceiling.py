@@ -3,8 +3,9 @@
 `python -m tfps.bench.ceiling --hidden 512,512 --workers 2 --seconds 15` starts the same
 number of worker processes as the PS runs, each computing gradients of the same MLP on
 the same data and batch with no PS at all (TensorFlow's thread pools sized as `tfps local`
-sizes a replica's), and prints one JSON line with their aggregate examples/s. Each child warms up, says READY, and starts its timed window only when all
-are ready (GO on stdin), so the windows overlap.
+sizes a replica's), and prints one JSON line with their aggregate examples/s. Each child
+warms up, says READY, and starts its timed window only when all are ready (GO on stdin),
+so the windows overlap.
 """
 
 from __future__ import annotations
@@ -84,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         "--processes",
         type=int,
         default=3,
-        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's",
+        help=(
+            "replicas of the tfps job it stands for (workers + PS): "
+            "each worker sizes TensorFlow's pools as `tfps local` sizes a replica's"
+        ),
     )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

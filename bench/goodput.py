@@ -161,27 +161,29 @@ def start_ps(model_args: dict) -> tuple[subprocess.Popen, str]:
         "TF_CONFIG": json.dumps(tf_config), "TFPS_TRAINING": json.dumps(_training(model_args)),
         "TFPS_JOB_NAME": "bench-goodput", "TFPS_BIND_ADDRESS": LOOPBACK, "TFPS_METRICS_PORT": str(free_port()),
     })  # fmt: skip
-    log_file = tempfile.TemporaryFile(mode="w+")  # a pipe nobody reads could block the PS
-    proc = subprocess.Popen(
-        module_cmd("tfps.cli.main", "ps"), env=env, stdout=subprocess.DEVNULL, stderr=log_file,
-        start_new_session=True, text=True,
-    )  # fmt: skip
-    client = ShardClient(address, 0)
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                log_file.seek(0)
-                raise RuntimeError(f"tfps ps exited with {proc.returncode}: {log_file.read()[-500:]}")
-            try:
-                client.status(timeout=2.0)
-                return proc, address
-            except Exception:  # noqa: BLE001 - not up yet
-                if time.monotonic() > deadline:
-                    raise RuntimeError("tfps ps did not answer within 180 s") from None
-                time.sleep(0.5)
-    finally:
-        client.close()
+    # A file, not a pipe nobody reads (that could block the PS); the PS keeps its own descriptor,
+    # ours closes once the PS answers.
+    with tempfile.TemporaryFile(mode="w+") as log_file:
+        proc = subprocess.Popen(
+            module_cmd("tfps.cli.main", "ps"), env=env, stdout=subprocess.DEVNULL, stderr=log_file,
+            start_new_session=True, text=True,
+        )  # fmt: skip
+        client = ShardClient(address, 0)
+        deadline = time.monotonic() + 180
+        try:
+            while True:
+                if proc.poll() is not None:
+                    log_file.seek(0)
+                    raise RuntimeError(f"tfps ps exited with {proc.returncode}: {log_file.read()[-500:]}")
+                try:
+                    client.status(timeout=2.0)
+                    return proc, address
+                except Exception:  # noqa: BLE001 - not up yet
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("tfps ps did not answer within 180 s") from None
+                    time.sleep(0.5)
+        finally:
+            client.close()
 
 
 def tfps_mib_per_second(address: str, model_args: dict, seconds: float) -> dict:

@@ -357,7 +357,10 @@ class Shards:
         return {part.name: (positions, local) for part, positions, local in route_rows(self.plan.parts_of(table), ids)}
 
     def pushes(self, grads: dict[str, np.ndarray], routes: dict) -> list[list[np.ndarray]]:
-        """Per answerer: its dense parts' gradients (`padded`), then its table parts' rows' (`routes`: per table, `routes()`)."""
+        """Per answerer: its dense parts' gradients (`padded`), then its table parts' rows'.
+
+        `routes` is `routes()`'s answer, per table.
+        """
         out = []
         for k in range(self.n):
             dense = [grads[q.var][q.start : q.stop] if q.var in self.joined else grads[q.var] for q in self.dense[k]]
@@ -678,7 +681,10 @@ def main(argv: list[str] | None = None) -> int:
         "--processes",
         type=int,
         default=3,
-        help="replicas of the tfps job it stands for (workers + PS): each worker sizes TensorFlow's pools as `tfps local` sizes a replica's",
+        help=(
+            "replicas of the tfps job it stands for (workers + PS): "
+            "each worker sizes TensorFlow's pools as `tfps local` sizes a replica's"
+        ),
     )
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
@@ -687,7 +693,10 @@ def main(argv: list[str] | None = None) -> int:
         "--update",
         choices=UPDATES,
         default="none",
-        help="the answering process also applies the optimizer's update to the parameters it sends back (sync: dense models)",
+        help=(
+            "the answering process also applies the optimizer's update to the parameters "
+            "it sends back (sync: dense models)"
+        ),
     )
     parser.add_argument(
         "--optimizer",

@@ -168,27 +168,28 @@ def run_bench(
     nodes = sorted(n.metadata.name for n in core.list_node().items)
 
     env = {**os.environ, "KUBECONFIG": kubeconfig, "TFPS_OPERATOR_CONFIG": ""}
-    log = tempfile.NamedTemporaryFile("w", prefix="tfps-operator-bench-", suffix=".log", delete=False)
-    operator = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tfps.cli.main",
-            "operator",
-            "-n",
-            ns,
-            "--standalone",
-            "--metrics-port",
-            "0",
-            "--health-port",
-            "0",
-            "--log-level",
-            os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning"),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    # The operator writes to its own copy of the descriptor; the file stays (delete=False) for the report.
+    with tempfile.NamedTemporaryFile("w", prefix="tfps-operator-bench-", suffix=".log", delete=False) as log:
+        operator = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tfps.cli.main",
+                "operator",
+                "-n",
+                ns,
+                "--standalone",
+                "--metrics-port",
+                "0",
+                "--health-port",
+                "0",
+                "--log-level",
+                os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning"),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     created_at: dict[str, float] = {}
     pods_seen: dict[str, list[float]] = {}
     first_seen: dict[str, float] = {}
@@ -233,10 +234,10 @@ def run_bench(
             running_at[name] = time.monotonic()
 
     kubelet = lambda: _watch_forever(watch, stop, core.list_namespaced_pod, ns, on_event=pod_seen)  # noqa: E731
-    job_watcher = lambda: _watch_forever(
+    job_watcher = lambda: _watch_forever(  # noqa: E731
         watch,
         stop,
-        custom.list_namespaced_custom_object,  # noqa: E731
+        custom.list_namespaced_custom_object,
         GROUP,
         VERSION,
         ns,

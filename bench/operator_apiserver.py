@@ -148,8 +148,7 @@ def setup_identity(api, namespace: str, admin_kubeconfig: str) -> Path:
         "contexts": [{"name": ACCOUNT, "context": {"cluster": cluster["name"], "user": ACCOUNT}}],
         "current-context": ACCOUNT,
     }
-    out = tempfile.NamedTemporaryFile("w", prefix="tfps-bench-operator-", suffix=".kubeconfig", delete=False)
-    with out:
+    with tempfile.NamedTemporaryFile("w", prefix="tfps-bench-operator-", suffix=".kubeconfig", delete=False) as out:
         yaml.safe_dump(kubeconfig, out)
     return Path(out.name)
 

@@ -9,11 +9,12 @@ limits raised), on the same control plane, the same nodes, with the same pod tem
 Needs the control plane up, alone (hack/cluster.sh up --no-node: kwok plays the nodes, and a
 real node's NetworkPolicy agent would work for every pod on the API server's cores; see
 bench/operator.py), kwok built (hack/build-cluster.sh) and the anchor built
-(hack/build-training-operator.sh). The benchmark applies both CRDs. The real scheduler binds the pods to the
-benchmark's own kwok nodes (operator_kwok.py; 30 × 128 CPU, 512Gi, 96 GPUs); kwok plays the kubelet: pods run at once and workers end Succeeded after
---succeed-after; each operator then marks its job Succeeded and deletes the PS pods (clean pod
-policy Running). Runs alternate sides (tfps, stock, raised, tfps, ...), each in a fresh
-namespace, with the operator started for it.
+(hack/build-training-operator.sh). The benchmark applies both CRDs. The real scheduler binds
+the pods to the benchmark's own kwok nodes (operator_kwok.py; 30 × 128 CPU, 512Gi, 96 GPUs);
+kwok plays the kubelet: pods run at once and workers end Succeeded after --succeed-after;
+each operator then marks its job Succeeded and deletes the PS pods (clean pod policy Running).
+Runs alternate sides (tfps, stock, raised, tfps, ...), each in a fresh namespace, with the
+operator started for it.
 
 Per run: create → all pods created, → job Running (as the operator reports it), → all pods
 Running, → job Succeeded (p50, p99); first create → all jobs Succeeded and → all PS pods gone;
@@ -434,7 +435,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = report.summarize(runs)
     out.update(
         {
-            "title": f"operator scale: {args.jobs} jobs × ({args.ps} PS + {args.workers} workers), {args.runs} run(s) per side",
+            "title": (
+                f"operator scale: {args.jobs} jobs × ({args.ps} PS + {args.workers} workers), "
+                f"{args.runs} run(s) per side"
+            ),
             "jobs": args.jobs,
             "ps": args.ps,
             "workers": args.workers,
@@ -457,12 +461,13 @@ def report_only(args: argparse.Namespace) -> dict[str, Any]:
 
 
 NOTES = [
-    "operator's API requests: counted by the API server for the operator's own ServiceAccount (a flow schema of its own), "
-    "from just before the first create until every job Succeeded and its PS pods were gone; warm-up excluded.",
-    "API writes per job: every client's POST/PUT/PATCH/DELETE in that window (kwok, scheduler, controller-manager, the bench's "
-    "own creates), for scale only.",
-    "job Running: as each operator reports it (tfps: status.phase; training-operator: its Running condition, set once a "
-    "worker runs); all pods Running: from the pods themselves.",
+    "operator's API requests: counted by the API server for the operator's own ServiceAccount "
+    "(a flow schema of its own), from just before the first create until every job Succeeded "
+    "and its PS pods were gone; warm-up excluded.",
+    "API writes per job: every client's POST/PUT/PATCH/DELETE in that window (kwok, scheduler, "
+    "controller-manager, the bench's own creates), for scale only.",
+    "job Running: as each operator reports it (tfps: status.phase; training-operator: its Running "
+    "condition, set once a worker runs); all pods Running: from the pods themselves.",
 ]
 
 

@@ -25,13 +25,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROPERTY = "reliability"
+_VALIDATION = "tests/integration/test_operator_validation.py::"
+_PS_INPUT = "tests/integration/test_runtime_ps_input.py::"
 # test function (path::name) -> the kind of invalid input its parametrised cases try
 INVALID_INPUT_TESTS = {
-    "tests/integration/test_operator_validation.py::test_invalid_manifest_is_rejected_naming_the_field": "invalid TrainingJob (API server)",
-    "tests/integration/test_runtime_ps_input.py::test_malformed_push_is_refused_and_changes_nothing": "malformed PS request",
-    "tests/integration/test_runtime_ps_input.py::test_oversize_message_is_refused": "oversize PS message",
-    "tests/integration/test_runtime_ps_input.py::test_stream_over_the_size_limit_is_refused": "oversize PS message",
-    "tests/integration/test_runtime_ps_input.py::test_flood_of_bad_pushes_is_refused_and_ps_stays_up": "flood of bad PS pushes",
+    f"{_VALIDATION}test_invalid_manifest_is_rejected_naming_the_field": "invalid TrainingJob (API server)",
+    f"{_PS_INPUT}test_malformed_push_is_refused_and_changes_nothing": "malformed PS request",
+    f"{_PS_INPUT}test_oversize_message_is_refused": "oversize PS message",
+    f"{_PS_INPUT}test_stream_over_the_size_limit_is_refused": "oversize PS message",
+    f"{_PS_INPUT}test_flood_of_bad_pushes_is_refused_and_ps_stays_up": "flood of bad PS pushes",
 }
 
 

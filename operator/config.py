@@ -8,7 +8,7 @@ Field names are camelCase, as in the chart's values.
 from __future__ import annotations
 
 import os
-from enum import Enum, StrEnum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 

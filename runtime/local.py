@@ -216,15 +216,15 @@ class LocalRun:
 
     def _start(self, replica: Replica) -> None:
         replica.log_path = self.workdir / f"{replica.name}.log"
-        log = open(replica.log_path, "ab")
-        replica.proc = subprocess.Popen(
-            self._command(replica),
-            env=self._environment(replica),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-        log.close()
+        # The child holds its own copy of the descriptor: ours closes once it has started (or failed to).
+        with open(replica.log_path, "ab") as log:
+            replica.proc = subprocess.Popen(
+                self._command(replica),
+                env=self._environment(replica),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     def pid(self, rtype: str, index: int) -> int | None:
         proc = self.replicas[(rtype, index)].proc
@@ -256,10 +256,8 @@ class LocalRun:
         return self._clients[index]
 
     def poll_status(self) -> dict:
-        try:
+        with contextlib.suppress(Exception):  # PS 0 not up yet or restarting: keep the last status
             self.status = self._ps().status(timeout=1.0)
-        except Exception:  # PS 0 not up yet or restarting: keep the last status
-            pass
         return self.status
 
     def _wire_bytes(self) -> int | None:
@@ -302,16 +300,13 @@ class LocalRun:
     def on_exit(self, replica: Replica, code: int) -> tuple[bool, str | None]:
         """Decide about a replica that exited: (restart it?, the job's failure reason or None)."""
         backoff = self.job.spec.run_policy.backoff_limit
-        self.events.append(
-            f"{replica.name} exited with code {code} at step {self.status.get('global_step')} ({time.strftime('%H:%M:%S')})"
-        )
+        step = self.status.get("global_step")
+        self.events.append(f"{replica.name} exited with code {code} at step {step} ({time.strftime('%H:%M:%S')})")
         if not self._should_restart(replica, code):
             replica.exit_code = code
             if code != 0:
-                return (
-                    False,
-                    f"{replica.name} exited with code {code} (restartPolicy {self.job.spec.replica_specs[replica.rtype].restart_policy.value})",
-                )
+                policy = self.job.spec.replica_specs[replica.rtype].restart_policy.value
+                return False, f"{replica.name} exited with code {code} (restartPolicy {policy})"
             return False, None
         if self.restarts >= backoff:
             replica.exit_code = code

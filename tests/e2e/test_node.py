@@ -163,7 +163,8 @@ def test_the_ps_cpu_limit_is_its_cgroup_quota_and_the_cpus_it_sees(node):
             (
                 "import json,os\n"
                 "r = lambda f: open('/sys/fs/cgroup/cpu/' + f).read().strip()\n"
-                "print(json.dumps({'quota': r('cpu.cfs_quota_us'), 'period': r('cpu.cfs_period_us'), 'cores': os.cpu_count()}))"
+                "print(json.dumps({'quota': r('cpu.cfs_quota_us'), 'period': r('cpu.cfs_period_us'),\n"
+                "                  'cores': os.cpu_count()}))"
             ),
         ).stdout
     )

@@ -85,27 +85,27 @@ class OperatorHarness:
         config = {"resources": LOCAL_RESOURCES, **(config or {})}
         config_path = str(self.log_dir / f"config-{len(self.procs)}.yaml")
         Path(config_path).write_text(yaml.safe_dump(config))
-        log = open(self.log_dir / f"operator-{len(self.procs)}.log", "w")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tfps.cli.main",
-                "operator",
-                "--namespace",
-                self.namespace,
-                "--metrics-address",
-                "127.0.0.1",
-                "--metrics-port",
-                str(self.metrics_port),
-                "--health-port",
-                str(self.health_port),
-                *extra,
-            ],
-            env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": config_path},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        with open(self.log_dir / f"operator-{len(self.procs)}.log", "w") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tfps.cli.main",
+                    "operator",
+                    "--namespace",
+                    self.namespace,
+                    "--metrics-address",
+                    "127.0.0.1",
+                    "--metrics-port",
+                    str(self.metrics_port),
+                    "--health-port",
+                    str(self.health_port),
+                    *extra,
+                ],
+                env={**self.cluster.env, "TFPS_OPERATOR_CONFIG": config_path},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         self.procs.append(proc)
         return proc
 

@@ -136,14 +136,14 @@ class Run:
         tfps = shutil.which("tfps", path=str(Path(sys.executable).parent)) or "tfps"
         for rtype, index in self.replicas():
             name = naming.pod_name(JOB, rtype, index)
-            log = open(self.workdir / f"{name}.log", "wb")
-            self.procs[name] = subprocess.Popen(
-                [tfps, rtype.task_type],
-                env=self.env(rtype, index),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            with open(self.workdir / f"{name}.log", "wb") as log:  # the child keeps its own copy
+                self.procs[name] = subprocess.Popen(
+                    [tfps, rtype.task_type],
+                    env=self.env(rtype, index),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
 
     def targets(self) -> list:
 

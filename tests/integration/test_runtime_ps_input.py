@@ -261,12 +261,14 @@ def _oversize():
 def test_oversize_message_is_refused(cluster, reason, streamed, data):
     before, version = cluster.parameters(), cluster.shards[0].version
     count = _rejected(cluster, reason)
-    with grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            if streamed:
-                wire.join(channel.stream_stream(wire.method_path("StepStream"))(wire.iter_chunks(data), timeout=60))
-            else:
-                channel.unary_unary(wire.method_path("Step"))(data, timeout=10)
+    with (
+        grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel,
+        pytest.raises(grpc.RpcError) as err,
+    ):
+        if streamed:
+            wire.join(channel.stream_stream(wire.method_path("StepStream"))(wire.iter_chunks(data), timeout=60))
+        else:
+            channel.unary_unary(wire.method_path("Step"))(data, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert reason in err.value.details()
     assert _rejected(cluster, reason) == count + 1
@@ -310,9 +312,11 @@ def test_stream_over_the_size_limit_is_refused(cluster):
     limit, shard.max_request_bytes = shard.max_request_bytes, 8 << 20
     try:
         chunks = (b"\0" * (1 << 20) for _ in range(12))
-        with grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel:
-            with pytest.raises(grpc.RpcError) as err:
-                wire.join(channel.stream_stream(wire.method_path("StepStream"))(chunks, timeout=30))
+        with (
+            grpc.insecure_channel(cluster.addresses[0], options=wire.GRPC_OPTIONS) as channel,
+            pytest.raises(grpc.RpcError) as err,
+        ):
+            wire.join(channel.stream_stream(wire.method_path("StepStream"))(chunks, timeout=30))
     finally:
         shard.max_request_bytes = limit
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -30,7 +30,8 @@ MALLINFO_PRELUDE = r"""
 import ctypes
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                 "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 """

@@ -104,7 +104,10 @@ DENSE, ROWS, WIDTH = 3, 10, 2
 def _rows_exchange(
     exchange: limit.Exchange, grads: list, pushed: list, wanted: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(the dense parameters, the rows asked for) sent back for one push of a 3-parameter dense part and a 10 x 2 table."""
+    """(the dense parameters, the rows asked for) sent back for one push.
+
+    The push is of a 3-parameter dense part and a 10 x 2 table.
+    """
     layout = limit._RowsLayout(DENSE, [WIDTH])
     (_, rows_at), size = limit.aligned_offsets([DENSE, len(wanted) * WIDTH])
     out = exchange(layout.push(grads, [pushed], [wanted]), 4 * size).view(np.float32)
@@ -227,8 +230,8 @@ def settings(args=None):
     thread = threading.Thread(target=lambda: bytearray(8 << 20))  # what a request thread builds and drops
     thread.start()
     thread.join()
-    print(json.dumps({"batch": os.sched_getscheduler(0) == os.SCHED_BATCH, "kept": libc.mallinfo2().fordblks >= 16 << 20}),
-          flush=True)
+    print(json.dumps({"batch": os.sched_getscheduler(0) == os.SCHED_BATCH,
+                      "kept": libc.mallinfo2().fordblks >= 16 << 20}), flush=True)
     libc.malloc_stats()  # one "Arena N:" section per arena, on stderr
 
 role = sys.argv[1]

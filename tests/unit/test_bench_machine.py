@@ -80,6 +80,6 @@ def test_the_report_carries_the_machine_and_prints_it(tmp_path):
     buf = io.StringIO()
     report.render(out, Console(file=buf, width=250, color_system=None))
     assert (
-        "machine: Intel(R) Xeon(R) Processor (6/167/1, 2600 MHz), 2 CPUs, 23.4 GiB, L1d 48K, L2 2048K, L3 491520K, Linux 6.1.0-test; "
-        "load average 0.12 at the start, 1.90 at the end"
+        "machine: Intel(R) Xeon(R) Processor (6/167/1, 2600 MHz), 2 CPUs, 23.4 GiB, "
+        "L1d 48K, L2 2048K, L3 491520K, Linux 6.1.0-test; load average 0.12 at the start, 1.90 at the end"
     ) in buf.getvalue()

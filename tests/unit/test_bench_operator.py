@@ -111,14 +111,26 @@ def test_raised_build_takes_the_client_limit_flags_and_stock_does_not():
     assert anchor.binary(True).parent.name.endswith("-raised")
 
 
-METRICS = """# HELP apiserver_request_total x
-apiserver_request_total{code="201",component="apiserver",group="",resource="pods",scope="resource",subresource="",verb="POST",version="v1"} 30
-apiserver_request_total{code="409",component="apiserver",group="",resource="pods",scope="resource",subresource="",verb="POST",version="v1"} 2
-apiserver_request_total{code="200",component="apiserver",group="",resource="pods",scope="resource",subresource="status",verb="PATCH",version="v1"} 7
-apiserver_request_total{code="200",component="apiserver",group="",resource="pods",scope="namespace",subresource="",verb="WATCH",version="v1"} 4
-apiserver_flowcontrol_dispatched_requests_total{flow_schema="tfps-bench-operator",priority_level="exempt"} 41
-apiserver_flowcontrol_dispatched_requests_total{flow_schema="exempt",priority_level="exempt"} 1000
-"""
+def _requests(code: str, scope: str, subresource: str, verb: str, value: int) -> str:
+    """One apiserver_request_total sample for pods, labelled as the API server labels it."""
+    return (
+        f'apiserver_request_total{{code="{code}",component="apiserver",group="",resource="pods",scope="{scope}",'
+        f'subresource="{subresource}",verb="{verb}",version="v1"}} {value}'
+    )
+
+
+METRICS = "\n".join(
+    [
+        "# HELP apiserver_request_total x",
+        _requests("201", "resource", "", "POST", 30),
+        _requests("409", "resource", "", "POST", 2),
+        _requests("200", "resource", "status", "PATCH", 7),
+        _requests("200", "namespace", "", "WATCH", 4),
+        'apiserver_flowcontrol_dispatched_requests_total{flow_schema="tfps-bench-operator",priority_level="exempt"} 41',
+        'apiserver_flowcontrol_dispatched_requests_total{flow_schema="exempt",priority_level="exempt"} 1000',
+        "",
+    ]
+)
 
 
 def test_apiserver_counters():

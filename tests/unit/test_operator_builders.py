@@ -181,7 +181,8 @@ def test_tfps_render_command(tmp_path, capsys):
     assert names == ["r", "r-ps-0", "r-worker-0", "r-worker-1"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        "apiVersion: tfps.io/v1alpha1\nkind: TrainingJob\nmetadata: {name: b}\nspec: {replicaSpecs: {Worker: {}}, training: {}}\n"
+        "apiVersion: tfps.io/v1alpha1\nkind: TrainingJob\nmetadata: {name: b}\n"
+        "spec: {replicaSpecs: {Worker: {}}, training: {}}\n"
     )
     assert main(["render", str(bad)]) == 1
     assert "replicaSpecs.PS" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def test_a_push_is_split_by_part_and_the_rows_asked_for_go_to_their_ps():
         big = plan.parts_of("big")[k]
         np.testing.assert_array_equal(push[big.name], grads["big"][big.start : big.stop])
         assert ("bias" in push) == (k == bias_ps)
-        assert push["t/part-%d:indices" % k].dtype == np.int64
+        assert push[f"t/part-{k}:indices"].dtype == np.int64
     np.testing.assert_array_equal(pushes[0]["t/part-0:indices"], [0, 3])
     np.testing.assert_array_equal(pushes[1]["t/part-1:indices"], [0, 4])
     np.testing.assert_array_equal(pushes[1]["t/part-1:values"], grads["t"][2:4])
