@@ -65,6 +65,7 @@ HELM ?= $(firstword $(wildcard $(TFPS_CACHE)/bin/current/helm $(TFPS_CACHE)/bin/
 lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	@mkdir -p .tfps/mypy/tfps && for p in api operator runtime; do ln -sfn ../../../$$p .tfps/mypy/tfps/$$p; done
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir .tfps/site
 	$(VENV)/bin/hadolint images/*/Dockerfile

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .naming import ENV_TF_CONFIG, GRPC_PORT, dns_name
@@ -62,9 +62,8 @@ class ClusterConfig:
         return self.cluster.get("worker", [])
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> ClusterConfig:
-        env = os.environ if env is None else env
-        raw = env.get(ENV_TF_CONFIG)
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClusterConfig:
+        raw = (os.environ if env is None else env).get(ENV_TF_CONFIG)
         if not raw:
             raise ValueError(f"{ENV_TF_CONFIG} is not set")
         data = json.loads(raw)

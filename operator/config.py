@@ -39,12 +39,12 @@ class Ports(_Model):
     metrics: int = Field(METRICS_PORT, ge=1, le=65535)
 
 
-def _default_resources() -> dict[str, dict[str, Any]]:
+def _default_resources() -> dict[ReplicaType, dict[str, Any]]:
     return {
-        "PS": {"requests": {"cpu": "500m", "memory": "1Gi"}},
-        "Worker": {"requests": {"cpu": "1", "memory": "2Gi"}},
-        "Chief": {"requests": {"cpu": "1", "memory": "2Gi"}},
-        "Evaluator": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        ReplicaType.PS: {"requests": {"cpu": "500m", "memory": "1Gi"}},
+        ReplicaType.WORKER: {"requests": {"cpu": "1", "memory": "2Gi"}},
+        ReplicaType.CHIEF: {"requests": {"cpu": "1", "memory": "2Gi"}},
+        ReplicaType.EVALUATOR: {"requests": {"cpu": "500m", "memory": "1Gi"}},
     }
 
 

@@ -146,9 +146,10 @@ class Controller:
             # answer 409 (no duplicate), and then the next pass reads everything.
             self.pods.replace(job, [], None)
             return new_body, []
-        cached = self.pods.pods(job, RELIST_SECONDS) if live_body is not None else None
-        if cached is not None:
-            return self._newest(job, _own_status(live_body)), cached
+        if live_body is not None:
+            cached = self.pods.pods(job, RELIST_SECONDS)
+            if cached is not None:
+                return self._newest(job, _own_status(live_body)), cached
         # Both reads at once: they are independent, and the previous pass's writes are done.
         job_read = self._calls.submit(key, self.kube.get_job, *job)
         pods_read = self._calls.submit(key, self.kube.pod_list, *job)

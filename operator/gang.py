@@ -61,7 +61,7 @@ def group_object(job: TrainingJob, backend: GangBackend) -> dict[str, Any] | Non
     meta = object_meta(job, job.name, job_labels(job))
     if backend is GangBackend.WORKLOAD:
         group, version, _ = WORKLOAD_API
-        spec = {
+        spec: dict[str, Any] = {
             "controllerRef": {"apiGroup": job.api_version.split("/")[0], "kind": job.kind, "name": job.name},
             "podGroups": [{"name": WORKLOAD_POD_GROUP, "policy": {"gang": {"minCount": min_available(job)}}}],
         }

@@ -15,7 +15,7 @@ import copy
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, TypedDict
 
 import kopf
 
@@ -46,6 +46,20 @@ class Peering:
     standalone: bool = False
 
 
+class PodState(NamedTuple):
+    """What of a pod can change a job's status: a change of any of these wakes the job."""
+
+    phase: str
+    deleting: bool  # it has a deletionTimestamp
+    restarts: int  # over its containers
+    unschedulable: bool  # the scheduler said why it cannot place it
+    gated: bool  # held by a scheduling gate (Kueue)
+
+
+# A pod its job's own pass just created: seeing it ADDED is no news to that job.
+NEW_POD = PodState(phase="Pending", deleting=False, restarts=0, unschedulable=False, gated=False)
+
+
 @dataclass
 class Shared:
     """What the handlers share, in kopf's memo: the controller and a wake-up flag per job."""
@@ -59,7 +73,7 @@ class Shared:
     pod_watch: PodWatch | None = None
     wake: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     seen_generation: dict[tuple[str, str], int] = field(default_factory=dict)
-    pod_state: dict[str, tuple[str, bool, int, bool, bool]] = field(default_factory=dict)  # by pod uid
+    pod_state: dict[str, PodState] = field(default_factory=dict)  # by pod uid
 
     def wake_job(self, namespace: str, name: str) -> None:
         event = self.wake.get((namespace, name))
@@ -111,16 +125,15 @@ async def _sleep(wake: asyncio.Event, stopped: kopf.DaemonStopped, delay: float)
             waiter.cancel()
 
 
-def _pod_state(pod: dict) -> tuple[str, bool, int, bool, bool]:
-    """What of a pod can change a job's status: phase, deletion, restarts, unschedulable, gated."""
+def pod_state(pod: dict) -> PodState:
+    """What of a pod can change a job's status."""
     status = pod.get("status") or {}
-    restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
-    return (
-        status.get("phase") or "Pending",
-        bool(pod.get("metadata", {}).get("deletionTimestamp")),
-        restarts,
-        unschedulable_reason(status) is not None,
-        scheduling_gated(status),
+    return PodState(
+        phase=status.get("phase") or "Pending",
+        deleting=bool(pod.get("metadata", {}).get("deletionTimestamp")),
+        restarts=sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []),
+        unschedulable=unschedulable_reason(status) is not None,
+        gated=scheduling_gated(status),
     )
 
 
@@ -160,7 +173,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 
 async def _reconcile_once(
-    shared: Shared, key: tuple[str, str], meta: kopf.Meta, first: dict | None, live: dict | None, logger: logging.Logger
+    shared: Shared, key: tuple[str, str], meta: kopf.Meta, first: dict | None, live: dict | None, logger: kopf.Logger
 ) -> tuple[float | None, str | None]:
     """One pass: the seconds until the next one (None when the job is gone), and the phase."""
     namespace, name = key
@@ -196,7 +209,7 @@ class _Progress:
     def __post_init__(self) -> None:  # the first read one period after the loop starts
         self.due = asyncio.get_running_loop().time() + self.every
 
-    async def update(self, shared: Shared, key: tuple[str, str], logger: logging.Logger) -> None:
+    async def update(self, shared: Shared, key: tuple[str, str], logger: kopf.Logger) -> None:
         loop = asyncio.get_running_loop()
         self.due = loop.time() + self.every
         try:
@@ -210,19 +223,25 @@ class _Progress:
         return max(0.0, self.due - asyncio.get_running_loop().time())
 
 
+def _job_key(namespace: str | None, name: str) -> tuple[str, str]:
+    # kopf types the namespace optional for cluster-scoped resources; a TrainingJob is namespaced.
+    assert namespace is not None, f"TrainingJob {name} without a namespace"
+    return namespace, name
+
+
 async def job_loop(
     name: str,
-    namespace: str,
+    namespace: str | None,
     meta: kopf.Meta,
     body: kopf.Body,
     stopped: kopf.DaemonStopped,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
     """Reconcile the job whenever something changes, and at least every resyncSeconds."""
     shared: Shared = memo.shared
-    key = (namespace, name)
+    key = _job_key(namespace, name)
     wake = shared.wake.setdefault(key, asyncio.Event())
     # A job never reconciled: its first pass starts from the body the event brought.
     new = None if body.get("status") else copy.deepcopy(dict(body))
@@ -258,11 +277,12 @@ async def job_loop(
 
 # The event handler is a coroutine: it only looks at the event and sets an asyncio.Event,
 # which must happen on the loop (a sync handler would run in a thread, once per job event).
-async def job_event(name: str, namespace: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def job_event(name: str, namespace: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
     # Spec changes (scale, suspend) bump the generation; our own status writes do not.
     shared: Shared = memo.shared
-    if meta.get("generation") != shared.seen_generation.get((namespace, name)):
-        shared.wake_job(namespace, name)
+    key = _job_key(namespace, name)
+    if meta.get("generation") != shared.seen_generation.get(key):
+        shared.wake_job(*key)
 
 
 def pod_changed(shared: Shared, type: str, pod: dict) -> tuple[str, str] | None:
@@ -276,10 +296,10 @@ def pod_changed(shared: Shared, type: str, pod: dict) -> tuple[str, str] | None:
         shared.controller.pods.forget(pod)
     else:
         shared.controller.pods.observe(pod)
-        state = _pod_state(pod)
+        state = pod_state(pod)
         before = shared.pod_state.get(uid)
         shared.pod_state[uid] = state
-        if state == before or (before is None and state == ("Pending", False, 0, False, False)):
+        if state == before or (before is None and state == NEW_POD):
             return None
     job = (meta.get("labels") or {}).get(naming.LABEL_JOB)
     return (meta.get("namespace", ""), job) if job else None
@@ -309,19 +329,31 @@ async def stop_pod_watch(memo: kopf.Memo, **_: Any) -> None:
         memo.shared.pod_watch.stop()
 
 
-async def delete_children(name: str, namespace: str, uid: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def delete_children(
+    name: str, namespace: str | None, uid: str, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+) -> None:
     # Owner references would do it too, but the garbage collector may take a while.
     shared: Shared = memo.shared
-    shared.metrics.job_phase((namespace, name), None)
-    shared.seen_generation.pop((namespace, name), None)
+    key = _job_key(namespace, name)
+    shared.metrics.job_phase(key, None)
+    shared.seen_generation.pop(key, None)
     await asyncio.get_running_loop().run_in_executor(
-        shared.executor, shared.controller.delete_children, namespace, name, uid, meta.get("creationTimestamp")
+        shared.executor, shared.controller.delete_children, *key, uid, meta.get("creationTimestamp")
     )
+
+
+class _Resource(TypedDict):
+    """The TrainingJob resource and the registry, as kopf's decorators take them."""
+
+    group: str
+    version: str
+    plural: str
+    registry: kopf.OperatorRegistry
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
     """Bind the handlers above to `registry`."""
-    resource = dict(group=API_GROUP, version=API_VERSION, plural=PLURAL, registry=registry)
+    resource = _Resource(group=API_GROUP, version=API_VERSION, plural=PLURAL, registry=registry)
     kopf.on.startup(registry=registry)(configure)
     kopf.on.startup(registry=registry)(start_pod_watch)
     kopf.on.cleanup(registry=registry)(stop_pod_watch)

@@ -26,6 +26,7 @@ replicas of a queued job change through suspend, edit, resume: the resumed job i
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Collection
 from typing import Any
 
 from tfps.api import naming, semantics
@@ -97,7 +98,12 @@ def _owned(pod: dict[str, Any], job_uid: str) -> bool:
 
 
 def release_patches(
-    pods: list[dict[str, Any]], job_uid: str, *, ending: bool, restart: list[str] = (), delete: list[str] = ()
+    pods: list[dict[str, Any]],
+    job_uid: str,
+    *,
+    ending: bool,
+    restart: Collection[str] = (),
+    delete: Collection[str] = (),
 ) -> list[tuple[str, dict[str, Any]]]:
     """(pod name, merge patch) to send before the pods in `restart` and `delete` are deleted.
     `ending`: the job finished, is suspended or is deleted, so no pod of its group comes back."""

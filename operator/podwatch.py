@@ -39,9 +39,10 @@ class PodWatch:
         self.kube, self.selector, self.seconds = kube, selector, seconds
         self.on_event, self.on_gap = on_event, on_gap
         self._stopped = threading.Event()
+        watched: list[str | None] = list(namespaces) or [None]  # None: the whole cluster
         self._threads = [
             threading.Thread(target=self._run, args=(ns,), name=f"tfps-podwatch-{ns or 'all'}", daemon=True)
-            for ns in (namespaces or [None])
+            for ns in watched
         ]
 
     def start(self) -> None:

@@ -301,7 +301,8 @@ def _deadline_passed(result: Plan, job: TrainingJob, views: list[PodView], now: 
     deadline = job.spec.run_policy.active_deadline_seconds
     if deadline is None:
         return False
-    left = deadline - (now - parse_time(result.status["startTime"])).total_seconds()
+    started = parse_time(result.status.get("startTime")) or now  # _started sets it before this runs
+    left = deadline - (now - started).total_seconds()
     if left > 0:
         result.requeue(left)
         return False

@@ -142,7 +142,7 @@ def test_the_pod_watch_selects_every_pod_the_operator_makes_and_only_those():
 def test_pod_events_fill_the_cache_and_wake_the_job_only_on_a_change_that_matters():
     from types import SimpleNamespace
 
-    from tfps.operator.handlers import pod_changed
+    from tfps.operator.handlers import NEW_POD, PodState, pod_changed
 
     cache = PodCache()
     cache.replace(JOB, [], "5")
@@ -150,9 +150,13 @@ def test_pod_events_fill_the_cache_and_wake_the_job_only_on_a_change_that_matter
     created = _pod(rv=6, phase="Pending")
     created["status"] = {"phase": "Pending"}
     assert pod_changed(shared, "ADDED", created) is None  # the pass that created it knows
+    assert shared.pod_state == {"uid-w0": NEW_POD}
     assert _names(cache) == [("j-worker-0", "6")]
     running = _pod(rv=7)
     assert pod_changed(shared, "MODIFIED", running) == JOB
+    assert shared.pod_state["uid-w0"] == PodState(
+        phase="Running", deleting=False, restarts=2, unschedulable=True, gated=False
+    )
     assert pod_changed(shared, "MODIFIED", _pod(rv=8)) is None  # nothing a decision reads changed
     assert pod_changed(shared, "DELETED", _pod(rv=9)) == JOB
     assert cache.pods(JOB) == [] and shared.pod_state == {}
