@@ -23,7 +23,8 @@ venv: $(STAMP)
 system-deps:
 	hack/install-system-deps.sh
 
-# The control plane's and the node's binaries, built from the Go module proxy into $(TFPS_CACHE)/bin.
+# Everything the tests need from the Go module proxy, into $(TFPS_CACHE)/bin and $(TFPS_CACHE)/crds:
+# the control plane's and the node's binaries, kwok, the gang backends' CRDs, Kueue.
 cluster-tools:
 	hack/build-cluster.sh
 	hack/build-node.sh
@@ -51,7 +52,11 @@ reliability: system-deps venv cluster-tools images
 	TFPS_RELIABILITY_REPORT=$(CURDIR)/.tfps/reliability.json $(PY) -m pytest $(RELIABILITY_TESTS) -q; rc=$$?; \
 	echo; $(PY) hack/reliability.py $(CURDIR)/.tfps/reliability.json; exit $$rc
 
-demo: system-deps venv cluster-tools images
+# Builds only what the demo needs (hack/build-demo.sh): the local cluster's binaries (Go, CPU-bound)
+# beside the venv and the images (network- and disk-bound), or no cluster binaries at all when
+# KUBECONFIG points at a cluster that answers. Not kwok, the gang CRDs nor Kueue (cluster-tools).
+demo: system-deps
+	MAKE="$(MAKE)" hack/build-demo.sh
 	hack/demo.sh
 
 bench: venv

@@ -1,10 +1,32 @@
 #!/usr/bin/env bash
-# Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm and kwok
-# from the Go module proxy into $TFPS_CACHE/bin/<tool>-<version>/ and reuses what is there.
+# Builds etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet, kube-proxy,
+# helm and kwok from the Go module proxy into $TFPS_CACHE/bin/<tool>-<version>/ and reuses what is there.
 # Resumable: each finished binary is kept; Go's own build cache makes a restarted build fast.
+# Usage: hack/build-cluster.sh [TOOL...]  (default: all of them; `kubernetes` names the six k8s.io ones).
+# The Kubernetes binaries that are missing are built by ONE `go build`, so the packages they share
+# are compiled once and the links run beside the compiles.
 # Run it in the background with: hack/build-cluster.sh > build.log 2>&1 &
 set -euo pipefail
-what=build-cluster; total=9
+k8s_cmds=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
+all_tools=(etcd "${k8s_cmds[@]}" helm kwok)
+tools=()
+for a in "$@"; do
+  case $a in
+    kubernetes) tools+=("${k8s_cmds[@]}") ;;
+    etcd|kube-apiserver|kube-controller-manager|kube-scheduler|kubectl|kubelet|kube-proxy|helm|kwok) tools+=("$a") ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "build-cluster: unknown tool: $a (one of: ${all_tools[*]} kubernetes)" >&2; exit 2 ;;
+  esac
+done
+[ ${#tools[@]} -gt 0 ] || tools=("${all_tools[@]}")
+wanted() { local t; for t in "${tools[@]}"; do [ "$t" = "$1" ] && return 0; done; return 1; }
+what=build-cluster; total=0
+for t in etcd kubernetes helm kwok; do
+  case $t in
+    kubernetes) for c in "${k8s_cmds[@]}"; do wanted "$c" && { total=$((total + 1)); break; }; done ;;
+    *) wanted "$t" && total=$((total + 1)) ;;
+  esac
+done
 # shellcheck source=go-build.sh
 source "$(dirname "$0")/go-build.sh"
 
@@ -49,19 +71,29 @@ GO
   (cd "$k8s_src" && go mod tidy) && touch "$k8s_src/.tidy-done-node"
 }
 
+# The wanted Kubernetes commands that are not built yet, in one `go build -o DIR/ PKG...`.
 build_k8s() {
-  local cmd=$1 out="$k8s_dir/$1"
-  progress "$cmd $KUBERNETES_VERSION"
-  have "$out" && return 0
+  local cmds=() c
+  for c in "$@"; do wanted "$c" && cmds+=("$c"); done
+  [ ${#cmds[@]} -gt 0 ] || return 0
+  progress "${cmds[*]} $KUBERNETES_VERSION"
+  local todo=() pkgs=()
+  for c in "${cmds[@]}"; do
+    have "$k8s_dir/$c" || { todo+=("$c"); pkgs+=("k8s.io/kubernetes/cmd/$c"); }
+  done
+  [ ${#todo[@]} -gt 0 ] || return 0
   prepare_k8s_module
   local ld="-s -w"
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld+=" -X $pkg.gitVersion=$KUBERNETES_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$k8s_minor"
     ld+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
   done
-  mkdir -p "$k8s_dir"
-  (cd "$k8s_src" && go build -tags selinux,notest -ldflags "$ld" -o "$out.partial" "k8s.io/kubernetes/cmd/$cmd")
-  mv "$out.partial" "$out"
+  local out="$k8s_dir/.partial"
+  rm -rf "$out" && mkdir -p "$out"
+  (cd "$k8s_src" && go build -tags selinux,notest -ldflags "$ld" -o "$out/" "${pkgs[@]}")
+  for c in "${todo[@]}"; do mv "$out/$c" "$k8s_dir/$c"; done
+  rmdir "$out"
+  echo "  built ${todo[*]} in $(elapsed)"
 }
 
 build_etcd() {
@@ -76,6 +108,7 @@ build_etcd() {
   fi
   (cd "$src" && go build -ldflags "-s -w" -o "$dir/etcd.partial" go.etcd.io/etcd/server/v3)
   mv "$dir/etcd.partial" "$dir/etcd"
+  echo "  built etcd in $(elapsed)"
 }
 
 build_helm() {
@@ -88,6 +121,7 @@ build_helm() {
     ld+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$k8s_minor"
   done
   GOBIN="$dir" go install -ldflags "$ld" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  echo "  built helm in $(elapsed)"
 }
 
 build_kwok() {
@@ -100,23 +134,19 @@ build_kwok() {
   local src
   src=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
   rm -rf "$dir/stage" && cp -r "$src/kustomize/stage" "$dir/stage" && chmod -R u+w "$dir/stage"
+  echo "  built kwok in $(elapsed)"
 }
 
-build_etcd
-build_k8s kube-apiserver
-build_k8s kubectl
-build_helm
-build_k8s kube-scheduler
-build_k8s kube-controller-manager
-build_k8s kubelet
-build_k8s kube-proxy
-build_kwok
+wanted etcd && build_etcd
+build_k8s "${k8s_cmds[@]}"
+wanted helm && build_helm
+wanted kwok && build_kwok
 
 # One folder of links so callers need a single PATH entry.
 links="$cache/bin/current"
 mkdir -p "$links"
-ln -sf "$cache/bin/etcd-$ETCD_VERSION/etcd" "$links/etcd"
-for c in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do ln -sf "$k8s_dir/$c" "$links/$c"; done
-ln -sf "$cache/bin/helm-$HELM_VERSION/helm" "$links/helm"
-ln -sf "$cache/bin/kwok-$KWOK_VERSION/kwok" "$links/kwok"
-echo "[build-cluster done $(date +%T)] binaries in $links"
+wanted etcd && ln -sf "$cache/bin/etcd-$ETCD_VERSION/etcd" "$links/etcd"
+for c in "${k8s_cmds[@]}"; do if wanted "$c"; then ln -sf "$k8s_dir/$c" "$links/$c"; fi; done
+wanted helm && ln -sf "$cache/bin/helm-$HELM_VERSION/helm" "$links/helm"
+wanted kwok && ln -sf "$cache/bin/kwok-$KWOK_VERSION/kwok" "$links/kwok"
+echo "[build-cluster done $(date +%T)] ${tools[*]} in $links"

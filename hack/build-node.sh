@@ -3,9 +3,20 @@
 # what is there: a small CoreDNS (cluster.local only, no upstream), kube-router (NetworkPolicy) and
 # the pause binary (the sandbox image's only file). Everything comes from the Go module proxy.
 # Resumable: each finished binary is kept; partial outputs are written as *.partial and renamed.
+# Usage: hack/build-node.sh [pause|coredns|kube-router ...]  (default: all three)
 # Run it in the background with: hack/build-node.sh > build-node.log 2>&1 &
 set -euo pipefail
-what=build-node; total=3
+tools=()
+for a in "$@"; do
+  case $a in
+    pause|coredns|kube-router) tools+=("$a") ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "build-node: unknown part: $a (one of: pause coredns kube-router)" >&2; exit 2 ;;
+  esac
+done
+[ ${#tools[@]} -gt 0 ] || tools=(pause coredns kube-router)
+wanted() { local t; for t in "${tools[@]}"; do [ "$t" = "$1" ] && return 0; done; return 1; }
+what=build-node; total=${#tools[@]}
 # shellcheck source=go-build.sh
 source "$(dirname "$0")/go-build.sh"
 # The folder of a module's source in the module cache (read-only there), downloading it if needed.
@@ -67,6 +78,7 @@ build_coredns() {
   (cd "$src" && go build -ldflags "-s -w -X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" \
     -o "$dir/coredns.partial" .)
   mv "$dir/coredns.partial" "$dir/coredns"
+  echo "  built coredns in $(elapsed)"
 }
 
 # kube-router from a writable copy of its module source, with the module's own go.mod/go.sum.
@@ -87,6 +99,7 @@ build_kube_router() {
   (cd "$src" && go build -ldflags "-s -w -X $pkg.Version=$KUBE_ROUTER_VERSION -X $pkg.BuildDate=$build_date" \
     -o "$dir/kube-router.partial" ./cmd/kube-router)
   mv "$dir/kube-router.partial" "$dir/kube-router"
+  echo "  built kube-router in $(elapsed)"
 }
 
 # The pause binary from the Kubernetes module, stamped the way build/pause/Makefile stamps it.
@@ -105,14 +118,14 @@ build_pause() {
   mv "$dir/pause.partial" "$dir/pause"
 }
 
-build_pause
-build_coredns
-build_kube_router
+wanted pause && build_pause
+wanted coredns && build_coredns
+wanted kube-router && build_kube_router
 
 # The same folder of links as hack/build-cluster.sh, so callers need a single PATH entry.
 links="$cache/bin/current"
 mkdir -p "$links"
-ln -sf "$cache/bin/coredns-$COREDNS_VERSION/coredns" "$links/coredns"
-ln -sf "$cache/bin/kube-router-$KUBE_ROUTER_VERSION/kube-router" "$links/kube-router"
-ln -sf "$cache/bin/pause-$KUBERNETES_VERSION/pause" "$links/pause"
-echo "[build-node done $(date +%T)] binaries in $links"
+wanted coredns && ln -sf "$cache/bin/coredns-$COREDNS_VERSION/coredns" "$links/coredns"
+wanted kube-router && ln -sf "$cache/bin/kube-router-$KUBE_ROUTER_VERSION/kube-router" "$links/kube-router"
+wanted pause && ln -sf "$cache/bin/pause-$KUBERNETES_VERSION/pause" "$links/pause"
+echo "[build-node done $(date +%T)] ${tools[*]} in $links"

@@ -11,22 +11,27 @@ job_file=${TFPS_DEMO_JOB:-examples/digits.yaml}
 say() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 start=$(date +%s)
 
+bin="${TFPS_CACHE:-$HOME/.cache/tfps}/bin/current"
 values=()
+# Extra helm arguments, e.g. the image repositories of a registry the cluster pulls from.
+read -r -a extra <<< "${TFPS_DEMO_HELM_ARGS:-}"
+# kubectl and helm from PATH, else those hack/build-demo.sh built (the same check it makes).
+export PATH="$PATH:$bin"
 if [ -n "${KUBECONFIG:-}" ] && [ -f "$KUBECONFIG" ] && kubectl version --request-timeout=5s >/dev/null 2>&1; then
-  say "Reusing the cluster of KUBECONFIG=$KUBECONFIG"
+  say "Reusing the cluster of KUBECONFIG=$KUBECONFIG (the images must be there: hack/build-demo.sh said how)"
 else
   say "Starting the local cluster: control plane, and a node with containerd, kubelet, kube-proxy, CoreDNS, kube-router (hack/cluster.sh up)"
   hack/cluster.sh up
   eval "$(hack/cluster.sh env)"
   values=(-f hack/values-local.yaml)  # requests that fit one small node; images already loaded
+  export PATH="$bin:$PATH"  # the kubectl and helm of the local cluster's version
 fi
-export PATH="${TFPS_CACHE:-$HOME/.cache/tfps}/bin/current:$PATH"
 
 kubectl create namespace "$ns" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
 # The demo's operator serves only the demo namespace, so it never competes with the operators
 # that the test tiers start on the same local cluster.
 say "Installing the operator with Helm (release tfps, namespace tfps-system); it watches namespace $ns only"
-helm upgrade --install tfps charts/tfps --namespace tfps-system --create-namespace "${values[@]}" \
+helm upgrade --install tfps charts/tfps --namespace tfps-system --create-namespace "${values[@]}" "${extra[@]}" \
   --set "operator.watchNamespaces={$ns}" --set operator.progressSeconds=2 --wait --timeout 5m
 kubectl -n tfps-system get pods -l app.kubernetes.io/name=tfps -o wide
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,3 +189,99 @@ def test_kwok_nodes_take_only_pods_placed_there():
     assert all(node["metadata"]["labels"][k] == v for k, v in placed["nodeSelector"].items())
     assert placed["tolerations"][0]["key"] == kwok.TAINT["key"]
     assert "nvidia.com/gpu" not in kwok.node_manifest("cpu-only")["status"]["capacity"]
+
+
+# ---------------------------------------------------------------------------------------------
+# `make demo`'s set-up (hack/build-demo.sh --plan): what it builds, in which lane, and the estimates
+
+HACK = Path(hc.__file__).resolve().parent
+
+
+def _fake_tool(folder: Path, name: str, rc: int = 0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    tool = folder / name
+    tool.write_text(f"#!/bin/sh\nexit {rc}\n")
+    tool.chmod(0o755)
+
+
+def _demo_plan(tmp_path: Path, fake_bin: Path | None = None, kubeconfig: bool = False) -> dict[str, list]:
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    env["TFPS_CACHE"] = str(tmp_path / "cache")
+    if fake_bin is not None:  # only the fakes and the system's tools; no kubectl or helm of the machine
+        env["PATH"] = f"{fake_bin}:/usr/bin:/bin"
+    if kubeconfig:
+        (tmp_path / "kubeconfig").write_text("apiVersion: v1\nkind: Config\n")
+        env["KUBECONFIG"] = str(tmp_path / "kubeconfig")
+    out = subprocess.run(
+        [str(HACK / "build-demo.sh"), "--plan"], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    plan: dict[str, list] = {"go": [], "net": []}
+    for line in out.stdout.splitlines():
+        lane, _, rest = line.partition(": ")
+        if lane == "cluster":
+            plan["cluster"] = [rest]
+        else:
+            name, seconds = rest.split()
+            plan[lane].append((name, int(seconds)))
+    return plan
+
+
+def test_the_demo_builds_the_local_cluster_beside_the_venv_and_images_and_nothing_for_the_tests(tmp_path):
+    plan = _demo_plan(tmp_path)
+    assert plan["cluster"] == ["local"]
+    go = [name for name, _ in plan["go"]]
+    assert go == ["pause", "kubernetes", "etcd", "helm", "coredns", "kube-router"]
+    assert [name for name, _ in plan["net"]] == ["venv", "images"]
+    assert all(seconds > 0 for _, seconds in plan["go"] + plan["net"])  # a cold cache: the defaults
+
+
+def test_the_demos_estimates_come_from_earlier_builds(tmp_path):
+    versions = hc.read_versions()
+    cache = tmp_path / "cache"
+    etcd = cache / "bin" / f"etcd-{versions['ETCD_VERSION']}" / "etcd"
+    _fake_tool(etcd.parent, "etcd")
+    k8s = f"kubernetes-{versions['KUBERNETES_VERSION']}"
+    (cache / "build-times.tsv").write_text(f"{k8s}\t1200\tthen\n{k8s}\t777\tlater\nimages\t42\tlater\n")
+    plan = dict(_demo_plan(tmp_path)["go"] + _demo_plan(tmp_path)["net"])
+    assert plan["kubernetes"] == 777  # the last one recorded
+    assert plan["etcd"] == 0  # built already
+    assert plan["images"] == 42
+
+
+def test_the_demo_builds_no_cluster_binaries_for_a_cluster_that_answers(tmp_path):
+    fake = tmp_path / "fake-bin"
+    _fake_tool(fake, "kubectl")  # `kubectl version` answers
+    plan = _demo_plan(tmp_path, fake, kubeconfig=True)
+    assert plan["cluster"] == ["KUBECONFIG's"]
+    helm_on_path = shutil.which("helm", path=f"{fake}:/usr/bin:/bin")
+    assert [name for name, _ in plan["go"]] == ([] if helm_on_path else ["helm"])  # only what PATH lacks
+    _fake_tool(fake, "helm")
+    assert _demo_plan(tmp_path, fake, kubeconfig=True)["go"] == []
+    assert [name for name, _ in _demo_plan(tmp_path, fake, kubeconfig=True)["net"]] == ["venv", "images"]
+
+
+def test_the_demo_builds_the_local_cluster_when_kubeconfigs_cluster_does_not_answer(tmp_path):
+    fake = tmp_path / "fake-bin"
+    _fake_tool(fake, "kubectl", rc=1)
+    _fake_tool(fake, "helm")
+    plan = _demo_plan(tmp_path, fake, kubeconfig=True)
+    assert plan["cluster"] == ["local"] and "kubernetes" in [name for name, _ in plan["go"]]
+
+
+def test_the_build_scripts_take_only_the_tools_they_know(tmp_path):
+    env = {**os.environ, "TFPS_CACHE": str(tmp_path)}
+    for script, bad in (("build-cluster.sh", "kueue"), ("build-node.sh", "kubelet"), ("build-demo.sh", "--all")):
+        out = subprocess.run([str(HACK / script), bad], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "unknown" in out.stderr, (script, out.stderr)
+
+
+def test_make_demo_leaves_the_tests_tools_to_make_test_and_ci():
+    makefile = (HACK.parent / "Makefile").read_text()
+    demo = re.search(r"^demo:(.*)\n((?:\t.*\n)+)", makefile, re.M)
+    assert demo and "cluster-tools" not in demo.group(1) and "hack/build-demo.sh" in demo.group(2)
+    tools = re.search(r"^cluster-tools:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    test = re.search(r"^test:(.*)", makefile, re.M).group(1)
+    assert "cluster-tools" in test
+    ci = (HACK.parent / ".ci" / "run").read_text()
+    for script in ("build-cluster.sh", "build-node.sh", "build-gang-crds.sh", "build-kueue.sh"):
+        assert f"hack/{script}" in tools and f"hack/{script}" in ci
