@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Writes the TrainingJob reference in README.md from the CRD's descriptions (crds/ is the one
-source). `--check` exits 1 when README.md is stale (a unit test runs it)."""
+"""Writes the TrainingJob reference, docs/reference/trainingjob.md, from the CRD's descriptions
+(crds/ is the one source). `--check` exits 1 when the page is stale (a unit test runs it)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "trainingjob.yaml"
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "reference" / "trainingjob.md"
 START, END = "<!-- api-reference:start -->", "<!-- api-reference:end -->"
 
 
@@ -44,11 +44,18 @@ def _facts(node: dict) -> str:
     return "; ".join(out)
 
 
+def _cell(text: str) -> str:
+    """One table cell: one line, `|` escaped, and `<` outside code spans written as an entity
+    (Markdown would take `<job>` for an HTML tag and drop it)."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;") for i, p in enumerate(parts))
+
+
 def rows(node: dict, path: str) -> list[tuple[str, str, str, str]]:
     out = []
     for name, child in (node.get("properties") or {}).items():
         child_path = f"{path}.{name}" if path else name
-        desc = " ".join((child.get("description") or "").split()).replace("|", "\\|")
+        desc = _cell(child.get("description") or "")
         out.append((child_path, _type(child), _facts(child), desc))
         out += rows(child.get("items", child), child_path + ("[]" if "items" in child else ""))
     return out
@@ -74,12 +81,12 @@ def render() -> str:
         "",
     ]
     for section in ("spec", "status"):
-        lines += [f"#### `{section}`", "", "| field | type | default / bounds | description |", "|---|---|---|---|"]
+        lines += [f"## `{section}`", "", "| field | type | default / bounds | description |", "|---|---|---|---|"]
         lines += [f"| `{p}` | {t} | {f} | {d} |" for p, t, f, d in rows(schema["properties"][section], "")]
         lines.append("")
     checks = rules(schema, "")
     if checks:
-        lines += ["#### Rules checked by the API server (CEL)", ""]
+        lines += ["## Rules checked by the API server (CEL)", ""]
         lines += [f"- `{p}`: {m}" for p, m in checks]
         lines.append("")
     lines.append(END)
@@ -87,19 +94,19 @@ def render() -> str:
 
 
 def main() -> int:
-    text = README.read_text()
+    text = PAGE.read_text()
     if START not in text or END not in text:
-        print(f"README.md lacks the markers {START} ... {END}", file=sys.stderr)
+        print(f"{PAGE.relative_to(REPO)} lacks the markers {START} ... {END}", file=sys.stderr)
         return 1
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     new = head + render() + tail
     if "--check" in sys.argv:
         if new != text:
-            print("README.md's TrainingJob reference is stale: run hack/gen-api-reference.py", file=sys.stderr)
+            print(f"{PAGE.relative_to(REPO)} is stale: run hack/gen-api-reference.py", file=sys.stderr)
             return 1
         return 0
-    README.write_text(new)
+    PAGE.write_text(new)
     return 0
 
 
