@@ -21,8 +21,8 @@ from .spec import TrainingSpec
 class ProcessSettings(BaseModel):
     """`ProcessSettings.from_env()` reads os.environ, `ProcessSettings.from_env(env)` a given
     mapping. (A plain model, not pydantic-settings' BaseSettings: that package imports dotenv,
-    email, zipfile and more into every PS, for what one `model_validate` of the environment does;
-    with the spec's deferred validators, 2.2 MB less resident in a PS.)"""
+    email, zipfile and more into every PS, for what one `model_validate` of the environment does,
+    and a PS's memory beyond its shard is a goal.)"""
 
     model_config = ConfigDict(extra="ignore")
 

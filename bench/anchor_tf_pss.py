@@ -177,7 +177,7 @@ def _partitioner(tf, args: argparse.Namespace):
 def _warm_up(coordinator, step_fn, iterator, args: argparse.Namespace) -> int:
     """A round of one step per worker (it traces), then rounds of four until the warm-up time
     is spent; the steps run. The small first round keeps a slow anchor's warm-up short (TF's
-    first 10M-row Adam steps take tens of seconds each on 2 cores)."""
+    first steps on a large Adam table are slow)."""
     start, steps = time.perf_counter(), 0
     while True:
         round_steps = args.workers * (4 if steps else 1)

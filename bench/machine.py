@@ -1,10 +1,9 @@
 """The machine a benchmark ran on, as its report records it.
 
-Ratios measured in one run are paired, but they still move with the machine: two runs a few
-hours apart on this project's 2-core development machine (a virtual machine) measured the 670k
-shape's bytes-inclusive limit at 36,520 and 51,806 examples/s, and tfps's share of it moved
-too. A report says which machine it came from and how busy that machine was when the run began
-(a quiet one starts near 0).
+Ratios measured in one run are paired, but they still move with the machine, anchors and
+tfps's share of them alike, from one run to the next on the same virtual machine. A report says
+which machine it came from and how busy that machine was when the run began (a quiet one
+starts near 0).
 """
 
 from __future__ import annotations

@@ -9,11 +9,10 @@ this process plays the kubelet and writes each new pod's status Running, with an
 as it sees the pod (so "to Running" includes that write and the operator's reaction to it).
 A node left up costs the benchmark: its NetworkPolicy agent (kube-router) reprograms the
 firewall for each of those pods and each job's NetworkPolicy, on the same cores as the API
-server (about 5 CPU seconds a run on the 2-core machine), where a real cluster runs it on its
-nodes. The result lists the nodes that were registered (`nodes`). Goal from the
-issue: p50 <= 1 s to all pods created. Also printed: the time to each job's first pod, and
-the p50s over the raw-create anchor (the same number of pods created directly, measured
-right after in the same run: machine load moves both).
+server, where a real cluster runs it on its nodes. The result lists the nodes that were
+registered (`nodes`). Goal from the issue: p50 <= 1 s to all pods created. Also printed: the
+time to each job's first pod, and the p50s over the raw-create anchor (the same number of
+pods created directly, measured right after in the same run: machine load moves both).
 """
 
 from __future__ import annotations
@@ -133,8 +132,8 @@ def _watch_forever(watch, stop: threading.Event, list_fn, *args, on_event) -> No
     """A watch that survives its timeouts and the API server's hiccups until `stop`."""
     while not stop.is_set():
         try:
-            # Plain dicts: the client's typed models cost ~1 ms a pod in this process, which
-            # would delay when pods are seen and take CPU from the operator being measured.
+            # Plain dicts: building the client's typed models for every pod in this process would
+            # delay when pods are seen and take CPU from the operator being measured.
             for ev in watch.Watch().stream(list_fn, *args, timeout_seconds=5, deserialize=False):
                 on_event(ev)
                 if stop.is_set():

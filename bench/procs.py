@@ -17,15 +17,14 @@ from tfps.runtime.ports import LOOPBACK, free_port  # noqa: F401 - the benchmark
 log = logging.getLogger("tfps.bench")
 
 
-# TensorFlow's distributed runtime segfaulted once (exit code -11) in a few dozen runs of
-# an anchor; an anchor gets one more attempt. tfps's own processes never do: their crash
-# is a failure of the benchmark.
+# TensorFlow's distributed runtime can segfault now and then, which says nothing about what
+# an anchor measures: an anchor gets one more attempt. tfps's own processes never do: their
+# crash is a failure of the benchmark.
 ANCHOR_CRASH_RETRIES = 1
 
-# Memory freed in GiBs slows this kind of machine for a while after (a virtual machine's pages
-# handed back to its host; the guest's own CPUs stay idle meanwhile). The 2M limit ran 17%
-# slower right after 14 GiB were freed and 5% slower 30 s after. The measurement after one whose
-# processes held that much (an embedding anchor's or tfps's PS) waits so long first.
+# Memory freed in GiBs slows a virtual machine for a while after (its pages are handed back to
+# the host while the guest's own CPUs stay idle), so the measurement after one whose processes
+# held that much (an embedding anchor's or tfps's PS) waits first rather than pay for it.
 SETTLE_AFTER_RSS = 1 << 30  # bytes of a PS's peak RSS
 SETTLE_SECONDS = 30.0
 

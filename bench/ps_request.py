@@ -2,8 +2,8 @@
 
 `python -m tfps.bench.ps_request --shape 2M --optimizer adam`
 
-A large-embedding job's examples/s on a 2-core machine follows the CPU each worker step costs
-all processes together, and a full run's figures drift by tens of percent within minutes. This
+A large-embedding job's examples/s on a machine its processes share follows the CPU each worker
+step costs all processes together, and a full run's figures drift within minutes. This
 measures one part of that cost without sockets, other processes or drift: for each PS of the
 shape, the same pushes (the ids of real batches of the shape's data, the rows the next batch
 asks for back, random gradients) go as tfps's Step requests to a `Shard` (runtime/ps.py, as the

@@ -80,9 +80,9 @@ class RatioDef:
         return self.goals.get(shape, self.goals.get("*"))
 
 
-# The dense shapes' goals. The compute-only ceiling has none: moving a step's bytes over
-# TCP already costs a large part of a compute step on 2 shared cores, so the goals are set
-# against the limit that counts the bytes, and the ceiling stays as a second reference.
+# The dense shapes' goals. The compute-only ceiling has none: moving a step's bytes over TCP
+# already costs a large part of a compute step when the processes share the cores, so the goals
+# are set against the limit that counts the bytes, and the ceiling stays as a second reference.
 RATIOS: tuple[RatioDef, ...] = (
     RatioDef("async_vs_limit", "tfps_async", "limit", "tfps async / bytes-inclusive limit", {"*": 0.85}),
     RatioDef("sync_vs_limit", "tfps_sync", "limit", "tfps sync / bytes-inclusive limit", {"*": 0.75}),

@@ -17,7 +17,7 @@ from .procs import MeasurementError, module_cmd, run_json
 
 MIN_STEPS = 50
 NO_CHECKPOINT_STEPS = 1_000_000_000
-STARTUP_ALLOWANCE_S = 120.0  # processes importing TensorFlow on a busy 2-core machine
+STARTUP_ALLOWANCE_S = 120.0  # importing TensorFlow is slow when the processes share busy cores
 
 
 def steps_for(mode: str, shape, examples: float) -> int:

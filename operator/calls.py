@@ -5,9 +5,9 @@ every job's Secret, then every job's pods, so each job waits for nearly all of t
 Here, whenever calls are queued, creations of children go before any other call (status
 reads and writes, deletions), and among equals the job created first (creationTimestamp,
 then name) goes first: jobs get their pods in the order they were created, and a burst of
-jobs gets all its pods before the status work that only reports on them. (Ordering by age
-first, a job's creations before its own other calls, was measured too: in paired runs it
-reported Running a little sooner but created the pods later.) When nothing is queued the
+jobs gets all its pods before the status work that only reports on them. (Not age first, a
+job's creations before its own other calls: that reports one job Running sooner but creates
+every job's pods later, and pods are what a burst waits for.) When nothing is queued the
 order changes nothing.
 """
 

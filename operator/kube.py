@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 # The client asks its config loader for the credentials again before every request, and the
 # loaders (in-cluster and kubeconfig alike) then rewrite the whole configuration, host and
-# proxy settings included: ~2 ms of CPU a call. A token is re-read at most this often instead
-# (the in-cluster loader itself re-reads its file only once a minute).
+# proxy settings included, a CPU cost paid on every request. A token is re-read at most this
+# often instead (the in-cluster loader itself re-reads its file only once a minute).
 CREDENTIALS_REFRESH_SECONDS = 5.0
 
 

@@ -83,10 +83,9 @@ class DirectFile:
 
     A checkpoint is written once and not read soon. Through the page cache, the writer copies
     each byte into the cache and the kernel writes it back later: CPU time taken from the cores
-    training shares, in the steps that run while a checkpoint is written (a 768 MB shard cost
-    the machine 1.4-2.6 CPU-seconds on a 2-core VM, against 0.3-0.4 direct), and the cache
-    filled with the checkpoint. Where the filesystem refuses O_DIRECT, at the start or at a
-    write, the file goes on through the cache."""
+    training shares, in the steps that run while a checkpoint is written (several times the CPU
+    of a direct write), and the cache filled with the checkpoint. Where the filesystem refuses
+    O_DIRECT, at the start or at a write, the file goes on through the cache."""
 
     ALIGN = 4096  # O_DIRECT's alignment of buffer address, file offset and length (a page)
     STAGE_BYTES = 4 << 20

@@ -62,7 +62,7 @@ class ShardClient:
     def _retry(self, what: str, fn):
         """`fn()`, retried with jittered exponential backoff (0.1 s doubling up to 2 s) while
         the PS is unavailable, for up to retry_seconds."""
-        try:  # the first try outside tenacity: its bookkeeping costs ~30 µs a call, twice a step
+        try:  # the first try outside tenacity: its bookkeeping would be paid on every call, twice a step
             return fn()
         except grpc.RpcError as err:
             if not _retryable(err):
@@ -165,8 +165,8 @@ class SentSteps:
     """One Step to each PS (`requests[k]`: meta and tensors for `clients[k]`) over the data
     connections already open, all sent before any reply is read, so the PS work on them at once
     without a thread per PS. The replies are read later (`replies`): a worker computes its next
-    gradients meanwhile without handing the exchange to a thread (on this kind of machine,
-    waking a thread and taking the GIL back cost ~0.1 ms of CPU a step)."""
+    gradients meanwhile without handing the exchange to a thread (waking a thread and taking the
+    GIL back would cost CPU every step, on cores the worker shares)."""
 
     def __init__(self, clients: list[ShardClient], requests: list[tuple[dict, dict]]):
         self.clients, self.sent = clients, []

@@ -1,9 +1,9 @@
 """The standard gRPC health service (`grpc.health.v1.Health`, Check and Watch) without protobuf.
 
 A PS answers kubelet's gRPC probes and `grpc_health_probe` with it. grpcio-health-checking's
-servicer would bring protobuf into the PS, ~1.8 MiB of resident memory in a process whose
-whole overhead beyond its shard is a goal (PS peak RSS ≤ 1.3× its parameters and slots), for
-two messages of one field each. Their encodings are written here: the request is
+servicer would bring protobuf's resident memory into a process whose whole overhead beyond its
+shard is a goal (PS peak RSS ≤ 1.3× its parameters and slots), for two messages of one field
+each. Their encodings are written here: the request is
 `HealthCheckRequest{string service = 1}`, the reply `HealthCheckResponse{ServingStatus status = 1}`
 (the tests ask with grpcio-health-checking's own client).
 """

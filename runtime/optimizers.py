@@ -1,7 +1,7 @@
 """The optimizer of one PS shard, on the shard's arrays, in C (runtime/_rows.c): each update one
 pass over the variable, its slots and the gradient, where NumPy makes several. The PS process
-does not import TensorFlow: its import alone is ~600 MiB of resident memory, more than a
-2M-row embedding shard's parameters.
+does not import TensorFlow: its import alone takes more resident memory than a large embedding
+shard's parameters.
 
 Dense parameters and their slots are never changed in place: each update makes new arrays
 and the shard swaps them in, so a reply or a checkpoint that holds the previous arrays keeps
@@ -80,8 +80,8 @@ class ShardOptimizer:
 
     def initial_slot(self, slot: str, shape) -> np.ndarray:
         # Written whole now, not left as fresh zero pages: faulting those in at random rows
-        # (2 MiB huge pages, compacted on demand) made the first steps of a large table's
-        # Adam tens of times slower.
+        # (huge pages, compacted on demand) makes the first steps of a large table's Adam
+        # far slower than the later ones.
         return np.full(shape, self.spec.initial_accumulator if slot == "accumulator" else 0.0, np.float32)
 
     def _adam_rate(self, t: int) -> np.float32:

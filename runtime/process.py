@@ -180,10 +180,10 @@ def use_batch_scheduling() -> str:
 
     Training is batch work. Under the default policy a thread that wakes up takes the core from
     one mid-computation: where a job's PS and workers share cores, a PS's thread wakes for each
-    request (on 2 cores, 2 workers and 2 PS, each worker's threads were preempted ~650 times a
-    second). A SCHED_BATCH thread waits for the next scheduling point instead, at the same
-    priority; no privilege is needed to take it. There that job made 1.10x the examples/s;
-    where each process has cores of its own there is nothing to preempt."""
+    request and preempts a worker's step many times a second. A SCHED_BATCH thread waits for the
+    next scheduling point instead, at the same priority, so a job on shared cores trains faster;
+    no privilege is needed to take it. Where each process has cores of its own there is nothing
+    to preempt."""
     if not ProcessSettings.from_env().sched_batch or not hasattr(os, "SCHED_BATCH"):
         return "default"
     try:
@@ -204,9 +204,9 @@ def tune_process(one_arena: bool = False) -> str:
 
 
 def freeze_startup_objects() -> None:
-    """Take everything alive now (imports, the model, TensorFlow's ~300k objects) out of the
+    """Take everything alive now (imports, the model, TensorFlow's many objects) out of the
     garbage collector's sight: it lives as long as the process, and each full collection
-    would scan it again (~180 ms in a worker on this machine, a stall of the step it lands in)."""
+    would scan it again, a stall of the step it lands in."""
     gc.freeze()
 
 

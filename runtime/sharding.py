@@ -145,8 +145,8 @@ def route_rows(parts: list[Part], ids: np.ndarray) -> list[tuple[Part, range, np
 def batch_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A batch's distinct ids, increasing, and where each id is among them, in an aligned array
     of the ids' shape (TensorFlow reads it in place): NumPy's unique(ids, return_inverse=True).
-    In C (runtime/_rows.c) through a hash table, where NumPy sorts every id: 34 against 147 µs
-    for a batch of the 2M-row click model (4,096 ids, 1,334 distinct)."""
+    In C (runtime/_rows.c) through a hash table, which finds them in one pass where NumPy sorts
+    every id."""
     inverse = wire.aligned_array(ids.shape, np.int64)
     flat = np.ascontiguousarray(ids, np.int64).reshape(-1)
     if _unique is None:

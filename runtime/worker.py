@@ -61,20 +61,19 @@ def make_grad_fn(model: ModelDef, wire_dtype: WireDtype = WireDtype.FLOAT32):
 
     The rows of an embedding table and the batch change size every step. A `tf.function` with
     `reduce_retracing` serves them with a relaxed trace, but first looks each new shape up among
-    every trace it holds: on the 2M-row click model that lookup took twice the gradient's own
-    time. So each set of input dtypes gets one concrete function, traced once with those
-    dimensions left open, and is called directly. A ConcreteFunction called with nested
-    arguments binds and casts each tensor against its signature in Python (a third of the
-    worker's main-thread CPU on the 2M-row click model), though the inputs are known to fit:
-    the traced function gets them flattened instead (`flat_call`).
+    every trace it holds, a lookup that grows with the traces until it outweighs the gradient.
+    So each set of input dtypes gets one concrete function, traced once with those dimensions
+    left open, and is called directly. A ConcreteFunction called with nested arguments binds and
+    casts each tensor against its signature in Python, a large share of the worker's
+    main-thread CPU, though the inputs are known to fit: the traced function gets them
+    flattened instead (`flat_call`).
 
     A table's gradient comes out of the tape as one row per id looked up (IndexedSlices);
     the push carries one row per row of the batch's table, each the sum of its ids' rows.
-    TensorFlow's CPU sum (UnsortedSegmentSum) goes a row at a time; runtime/_rows.c's
-    `segment_sum` gives the same result bit for bit, and a worker of the 2M-row click model
-    (4,096 ids a batch) 0.22 ms less CPU a step (2.42 against 2.64 core-ms, 6.5% more
-    examples/s in `tfps local`): on a CPU the trace returns the rows as they come and they are
-    summed after it. Table gradients may leave as NumPy arrays, the rest as tensors."""
+    TensorFlow's CPU sum (UnsortedSegmentSum) goes a row at a time, and runtime/_rows.c's
+    `segment_sum` gives the same result bit for bit for less of the step's CPU, so on a CPU the
+    trace returns the rows as they come and they are summed after it. Table gradients may leave
+    as NumPy arrays, the rest as tensors."""
     out_dtype = tf.as_dtype(wire_dtype.value)
     sparse = {p.name for p in model.sparse_params}
     # On a GPU TensorFlow's sum is fast, and the rows it sums would cross to the host unsummed.
@@ -195,9 +194,10 @@ def _aligned_concat(pieces: list[np.ndarray]) -> np.ndarray:
 class _JoinedParams:
     """What an exchange brings from several PS, each part received straight into one array: a
     part's bytes go from the socket to its rows (DataConnection.receive's `place`), with no
-    concatenation after. Dense variables split over several PS (23 MB a step on the 5.8M MLP)
-    go into arrays reused once TensorFlow is done with them (ReplyBuffers); a table's rows asked
-    of several PS go into a new array of the batch's rows, each PS's where its ids are."""
+    concatenation after. Dense variables split over several PS (most of a large model's bytes,
+    every step) go into arrays reused once TensorFlow is done with them (ReplyBuffers); a
+    table's rows asked of several PS go into a new array of the batch's rows, each PS's where
+    its ids are."""
 
     def __init__(self, plan: Placement, names: list[str]):
         split = [name for name in names if len(plan.parts_of(name)) > 1]

@@ -244,7 +244,7 @@ def test_workload_api_gang_runs_one_job_whole_then_the_other(
     reservations, not running pods, so B takes them at once and nothing of A has run. (Without
     preemption, 1.35's alpha plugin settles two incomplete gangs only when one's fixed 5-minute
     wait runs out, and the one that gave up can take back what it freed before the other gets
-    it: a CI run saw neither gang bound after 11 minutes. docs/guides/gang-scheduling.md states this limit.)"""
+    it, so neither gang may ever be bound. docs/guides/gang-scheduling.md states this limit.)"""
     op = tfps_operator
     _restart_operator(op, "auto")
     kwok = kwok_nodes(_nodes(hack_module("kwok")))
@@ -267,10 +267,10 @@ def test_workload_api_gang_runs_one_job_whole_then_the_other(
         assert program.bound("job-a") == {}, "job A has pods bound while job B runs"
         return True
 
-    # Bound within seconds in 32 runs here (alone, and with this file's other tests under a CPU
-    # hog); one full CI run saw B unbound after 120 s, with no log to say why (a failure now
-    # reports the pods and the scheduler's lines about them). The wait outlasts the alpha
-    # plugin's 5-minute reservation, the one way the docs know for a gang to stay unbound.
+    # Usually bound within seconds, but a loaded machine can hold B unbound for minutes with no
+    # log to say why (a failure reports the pods and the scheduler's lines about them). The wait
+    # outlasts the alpha plugin's 5-minute reservation, the one way the docs know for a gang to
+    # stay unbound.
     wait_for("job B's gang bound whole", lambda: a_unbound() and len(program.bound("job-b")) == 2 + WORKERS, 330, 1)
     wait_for("job B runs", lambda: a_unbound() and program.finish_if_ready("job-b"), 60)
     wait_for("job B finishes", lambda: op.status("job-b").get("phase") == "Succeeded", 120)

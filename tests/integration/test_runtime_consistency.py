@@ -81,13 +81,10 @@ def test_bfloat16_wire_tracks_float32_training():
 
 @pytest.mark.parametrize("mode", ["async", "bounded"])
 def test_async_modes_converge_on_digits(mode):
-    """1200 steps, not 600: at 600 the final accuracy spread over 0.89-0.97 from one interleaving
-    of the two workers to the next. SGD, not Adam: async Adam at 0.003 ended below 0.92 in 10 of
-    290 runs on a loaded machine (0.71-0.90), over gRPC as over the data path; the runs traced
-    reached a loss of ~0.01, then blew up near the end (loss 1-3 from version ~1,090 on). Adam's
-    second moment shrinks with the gradients, and one stale gradient then moves every weight by
-    a few learning rates.
-    SGD at 0.1 gave 0.947 or more in 70 runs (40 async, 30 bounded) beside two busy processes."""
+    """1200 steps: in a shorter run the final accuracy depends on how the two workers happen to
+    interleave. SGD, not Adam: Adam's second moment shrinks with the gradients, and one stale
+    gradient then moves every weight by a few learning rates, so async Adam can blow up late in
+    a run that had converged; SGD at 0.1 clears the bound with room to spare on a loaded machine."""
     training = _training(
         steps=1200,
         batchSize=32,
@@ -107,9 +104,8 @@ def test_a_worker_added_by_a_live_scale_up_joins_the_running_job(mode):
     """`kubectl scale tj/NAME --replicas=3` on a job of 2 workers: the PS was started with a
     TF_CONFIG of 2 workers, the new worker's says 3. The PS makes room for it, it trains
     alongside the others, and every worker cuts its batches in 3 from then on.
-    Its accuracy after 240 async steps depends on how the three workers interleave: 0.63-0.91 in
-    36 runs beside two busy processes, 0.45 once in CI. The bound says it still learns (chance:
-    0.1), not how well."""
+    Its accuracy after 240 async steps depends on how the three workers interleave, so the bound
+    says it still learns (chance: 0.1), not how well."""
     import threading
 
     from tfps.runtime.metrics import Identity, WorkerMetrics

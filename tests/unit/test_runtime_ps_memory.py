@@ -77,7 +77,7 @@ def _in_a_fresh_process(code: str) -> str:
 
 
 def test_the_ps_of_a_float32_job_imports_neither_tensorflow_nor_ml_dtypes():
-    """ml_dtypes (bfloat16) costs a PS 7 MiB resident: only a bfloat16 job loads it."""
+    """ml_dtypes (bfloat16) costs a PS resident memory it need not hold: only a bfloat16 job loads it."""
     serve = (
         "import sys, numpy as np; "
         "import tfps.runtime.ps_main, tfps.runtime.ps, tfps.runtime.checkpoint, tfps.runtime.optimizers; "
