@@ -1,26 +1,30 @@
 """The data path: Step messages between workers and a PS over a plain TCP (or TLS) socket.
 
-grpcio's Python stack copies every message several times on each side: a 2.7 MB push
-answered by 2.7 MB of parameters takes 8.5 ms a round trip through it on this machine, and
-1.5 ms over a socket that sends from the tensors' own memory (sendmsg) and receives into one
-buffer (recv_into). A Step is the one call made every step, so it gets its own port; all
-else stays on gRPC (health probes, Status, PullFull, Finish). Each PS listens on
+grpcio's Python stack copies every message several times on each side; a socket that sends
+from the tensors' own memory (sendmsg) and receives into one buffer (recv_into) copies none.
+A Step is the one call made every step, so it gets its own port; all else stays on gRPC
+(health probes, Status, PullFull, Finish). Each PS listens on
 $TFPS_DATA_PORT (0: a free port it picks itself) and says which in its gRPC Status reply;
 a worker asks once, then sends its Steps there. A PS that offers no data port, or a network
 that drops it, leaves the worker on gRPC's Step.
 
-Framing: each frame is `u64 length | wire message` (runtime/wire.py). A connection opens
-with a hello carrying the job's token (compared in constant time, as the gRPC interceptor
-does; TLS with the job's certificate when spec.training.tls). Each request frame then gets
-one reply frame. A refused request is answered with meta `{"error": {code, reason, detail}}`
-and counted like a refused gRPC call; a frame the PS cannot read (oversize, cut short)
-closes the connection.
+Framing: each frame is `u64 length | body`. A connection opens with a hello, a frame of a fixed
+size: HELLO_MAGIC, then the SHA-256 of the job's token (`hello_body`). The PS reads those bytes
+alone and compares the digest in constant time (hmac.compare_digest, as the gRPC interceptor
+compares the token) before it parses anything a peer sent: no JSON and no tensor of an
+unauthenticated peer is decoded. TLS with the job's certificate when spec.training.tls. The PS
+answers the hello with a wire message (runtime/wire.py); each request frame, a wire message,
+then gets one reply frame. A refused request is answered with meta `{"error": {code, reason,
+detail}}` and counted like a refused gRPC call, and the connection goes on; a frame the PS cannot
+read (oversize, cut short) and a refused hello close the connection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
+import logging
 import os
 import socket
 import ssl
@@ -38,11 +42,14 @@ from tfps.api.settings import ProcessSettings
 from . import wire
 from .auth import REJECT_DETAIL, REJECT_REASON, Material
 
+log = logging.getLogger("tfps.ps")
+
 FRAME = struct.Struct("<Q")
 CONNECT_SECONDS = 5.0
 IDLE_SECONDS = 600.0  # a PS closes a connection silent this long; the worker reconnects
 MAX_CONNECTIONS = 1024
-HELLO_MAX_BYTES = 64 << 10
+HELLO_MAGIC = b"tfps-dp2"  # the data path's hello, version 2: a token digest, no wire message
+HELLO = struct.Struct(f"<{len(HELLO_MAGIC)}s32s")  # HELLO_MAGIC, SHA-256 of the job's token
 IOV_MAX = 1024
 REPLY_BUFFERS = 3  # a pipelined worker holds two replies at most (in use, in flight)
 
@@ -93,7 +100,7 @@ def send_frame(sock: socket.socket, pieces: list) -> None:
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     # A plain socket in blocking mode (`set_timeout`) reads the rest of a frame in one call,
     # woken once, instead of once per TCP segment as it comes (each a return to Python, the
-    # GIL taken again: ~6 per 330 kB frame on loopback).
+    # GIL taken again).
     flags = socket.MSG_WAITALL if sock.gettimeout() is None and not isinstance(sock, ssl.SSLSocket) else 0
     got = 0
     while got < len(view):
@@ -133,6 +140,16 @@ def error_pieces(code: str, reason: str, detail: str) -> list:
     return wire.pieces({"error": {"code": code, "reason": reason, "detail": detail}}, {})
 
 
+def token_digest(token: bytes | None) -> bytes:
+    """What the hello carries of a token: a digest of fixed size, whatever the token's length."""
+    return hashlib.sha256(token or b"").digest()
+
+
+def hello_body(token: bytes | None) -> bytes:
+    """The hello a worker sends first on a connection (the frame's body)."""
+    return HELLO.pack(HELLO_MAGIC, token_digest(token))
+
+
 # ---- TLS -------------------------------------------------------------------------------
 
 
@@ -165,7 +182,7 @@ class DataServer:
 
     def __init__(self, shard, host: str, port: int, material: Material | None, on_reject):
         self.shard, self._on_reject = shard, on_reject
-        self._token = material.token if material is not None else None
+        self._digest = token_digest(material.token) if material is not None else None
         self._tls = server_context(material) if material is not None and material.tls else None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -208,21 +225,30 @@ class DataServer:
                 self.shard.metrics.data_connections.set(len(self._conns))
 
     def _hello(self, sock: socket.socket) -> bool:
+        """The connection's first frame: a hello of HELLO.size bytes, its digest the job's token's.
+        Nothing else is read from a peer before it passes; a frame of another size is refused
+        unread. A PS with a token refuses every other hello as unauthenticated; an open one (no
+        token: tests on loopback) refuses one that is not a hello as malformed."""
         size = recv_length(sock)
-        if size is None or size > HELLO_MAX_BYTES:
+        if size is None:
             return False
-        data = bytearray(size)
-        recv_exact(sock, memoryview(data))
-        try:
-            sent = str(wire.decode(bytes(data)).meta.get("hello", {}).get("token", "")).encode()
-        except (wire.WireError, AttributeError):
-            sent = b""
-        if self._token is not None and not hmac.compare_digest(sent, self._token):
-            self._on_reject(REJECT_REASON, REJECT_DETAIL)
-            send_frame(sock, error_pieces("UNAUTHENTICATED", REJECT_REASON, REJECT_DETAIL))
-            return False
+        data = bytearray(HELLO.size)
+        if size == HELLO.size:
+            recv_exact(sock, memoryview(data))
+        magic, digest = HELLO.unpack(data)
+        hello = size == HELLO.size and hmac.compare_digest(magic, HELLO_MAGIC)
+        if self._digest is not None and not (hmac.compare_digest(digest, self._digest) and hello):
+            return self._refuse_hello(sock, "UNAUTHENTICATED", REJECT_REASON, REJECT_DETAIL)
+        if not hello:
+            return self._refuse_hello(sock, "INVALID_ARGUMENT", "malformed", f"not a data path hello ({size} bytes)")
         send_frame(sock, wire.pieces({"hello": "ok"}, {}))
         return True
+
+    def _refuse_hello(self, sock: socket.socket, code: str, reason: str, detail: str) -> bool:
+        """Count a refused hello and answer it (the connection then closes): False."""
+        self._on_reject(reason, detail)
+        send_frame(sock, error_pieces(code, reason, detail))
+        return False
 
     def _loop(self, sock: socket.socket) -> None:
         buf = wire.aligned_empty(0)  # reused: the shard keeps no view of a request once it answered
@@ -248,6 +274,14 @@ class DataServer:
             except wire.WireError as err:  # ps.Rejected
                 self._on_reject(err.reason, str(err))
                 out = error_pieces("INVALID_ARGUMENT", err.reason, f"{err.reason}: {err}")
+            except (
+                Exception
+            ):  # a bug of the PS's, not of the request: said as such, counted, and the connection goes on
+                log.exception("a Step request on the data path met an unexpected error")
+                self._on_reject(wire.INTERNAL_REASON, "unexpected error (see the PS's log)")
+                out = error_pieces(
+                    "INTERNAL", wire.INTERNAL_REASON, f"{wire.INTERNAL_REASON}: unexpected error in the PS"
+                )
             send_frame(sock, out)
 
     def close(self) -> None:
@@ -302,8 +336,7 @@ class DataConnection:
                 if material is not None and material.tls
                 else raw
             )
-            token = material.token.decode() if material is not None else ""
-            reply = self.call(wire.pieces({"hello": {"token": token}}, {}))  # within CONNECT_SECONDS
+            reply = self.call([hello_body(material.token if material is not None else None)])  # within CONNECT_SECONDS
             if reply.meta.get("hello") != "ok":
                 raise DataPathError(grpc.StatusCode.UNAVAILABLE, f"unexpected hello reply {reply.meta}")
             set_timeout(self.sock, timeout)

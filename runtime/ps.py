@@ -64,7 +64,7 @@ class _Request:
     min_version: int
     want_dense: bool = True
     rows: dict[str, np.ndarray] = field(default_factory=dict)
-    checked: bool = False  # taken by _rows.parse_request: rows strictly increasing, every gradient float32
+    parsed_in_c: bool = False  # taken by _rows.parse_request: rows strictly increasing, every gradient float32
 
     @property
     def worker(self) -> int:
@@ -73,6 +73,15 @@ class _Request:
     @property
     def has_grads(self) -> bool:
         return bool(self.push.dense or self.push.sparse)
+
+
+@dataclass(frozen=True)
+class SharedReply:
+    """A sync step's reply, the same for every worker at its version: encoded once per transport."""
+
+    version: int
+    encoding: str
+    encoded: bytes | list
 
 
 class Shard:
@@ -117,7 +126,7 @@ class Shard:
         )
         self._warm: tuple[float, int] | None = None  # (time, examples) once past warm-up
         self._last_rate = 0.0
-        self._shared_reply: tuple = (-1, False, b"")
+        self._shared_reply: SharedReply | None = None
         self.wire_bytes, self._count_lock = 0, threading.Lock()
         # Dense arrays are replaced by each update, never changed in place (a reader holding
         # one keeps a consistent copy); sparse tables and their slots change in place, by rows,
@@ -136,8 +145,8 @@ class Shard:
             elif len(part.shape) == 2:
                 for kind, suffix in enumerate((":indices", ":values", ":rows"), start=1):
                     self._layout[part.name + suffix] = (kind, part.name, tuple(part.shape))
-        # An async push of the usual shape is applied and answered in one C call (`_apply_and_answer`)
-        self._one_call = (
+        # An async push of the usual shape is applied and answered by one C call (`_apply_async_in_c`)
+        self._async_in_c = (
             self.mode is ConsistencyMode.ASYNC
             and self._wire_dtype == np.float32
             and all(part.sparse or (len(part.shape) and math.prod(part.shape)) for part in parts)
@@ -183,7 +192,7 @@ class Shard:
             return self._parse(wire.decode(data))
         meta, dense, sparse, rows = fast
         req = self._parse_fields(meta)
-        req.push.dense, req.push.sparse, req.rows, req.checked = dense, sparse, rows, True
+        req.push.dense, req.push.sparse, req.rows, req.parsed_in_c = dense, sparse, rows, True
         return req
 
     def _parse(self, msg: wire.Message) -> _Request:
@@ -213,8 +222,8 @@ class Shard:
             )
             # the cluster size in the worker's TF_CONFIG: larger than this PS's after a scale-up
             claimed = min(int(meta.get("workers", self.consistency.num_workers)), MAX_WORKERS)
-        except (TypeError, ValueError) as err:
-            raise Rejected("malformed", f"bad request fields: {err}") from None
+        except (TypeError, ValueError, OverflowError) as err:
+            raise Rejected("malformed", f"bad request fields: {wire.brief(err, 200)}") from None
         cluster = max(self.consistency.num_workers, claimed)
         if not 0 <= worker < cluster:
             raise Rejected("malformed", f"worker {worker} is not in the cluster (0..{cluster - 1})")
@@ -225,10 +234,12 @@ class Shard:
         return req
 
     def _parse_tensor(self, req: _Request, name: str, arr: np.ndarray, tensors: dict[str, np.ndarray]) -> None:
-        base, _, kind = name.partition(":")
+        base, sep, kind = name.partition(":")
         part = self.parts.get(base)
         if part is None:
-            raise Rejected("unknown_variable", f"variable {base!r} is not on PS {self.index}")
+            raise Rejected("unknown_variable", f"variable {wire.brief(base)} is not on PS {self.index}")
+        if sep and not kind:
+            raise Rejected("malformed", f"tensor {name!r}: a name that ends in ':' names no kind")
         if kind == "":
             # async and bounded: the update's own pass finds a NaN or an Inf (`_dense_updates`)
             self._check_values(name, arr, part.shape, DENSE_WIRE_DTYPES, finite=self.mode is ConsistencyMode.SYNC)
@@ -246,7 +257,7 @@ class Shard:
             self._check_values(name, arr, (len(idx), *part.shape[1:]))
             req.push.sparse[base] = (idx, arr)
         else:
-            raise Rejected("malformed", f"tensor {name!r}: unknown kind {kind!r}")
+            raise Rejected("malformed", f"tensor {name!r}: unknown kind {wire.brief(kind)}")
 
     @staticmethod
     def _check_rows(name: str, arr: np.ndarray, part: Part) -> None:
@@ -394,14 +405,14 @@ class Shard:
             "pending": pending,
         }
 
-    def _in_one_call(self, req: _Request, encoding: str) -> bool:
-        """Whether `_apply_and_answer` takes this request: an async push of the usual shape, asking
+    def _takes_async_in_c(self, req: _Request, encoding: str) -> bool:
+        """Whether `_apply_async_in_c` takes this request: an async push of the usual shape, asking
         for the dense parameters back, with no checkpoint reading the tables (its RowSnapshots keep
         the rows an update changes) and not a retry of one applied before."""
         return (
-            self._one_call
+            self._async_in_c
             and encoding == "pieces"
-            and req.checked
+            and req.parsed_in_c
             and req.has_grads
             and req.pull
             and req.want_dense
@@ -410,10 +421,10 @@ class Shard:
             and not any(self._reading(name) for name in req.push.sparse)
         )
 
-    def _apply_and_answer(self, req: _Request) -> tuple[list, int]:
+    def _apply_async_in_c(self, req: _Request) -> tuple[list, int]:
         """An async push applied and its reply encoded in one C call (_rows.apply_async): the
-        same updates and the same bytes as `_accept`, `_read` and wire.pieces make, in about half
-        the CPU. The reply's pieces and its size. Its apply time (tfps_ps_apply_seconds) counts the
+        same updates and the same bytes as `_accept`, `_read` and wire.pieces make, in less CPU.
+        The reply's pieces and its size. Its apply time (tfps_ps_apply_seconds) counts the
         reply's rows read back and its header too: they are made in the same call."""
         push, t = req.push, self.version + 1
         meta = self._reply_meta(t, self.clocks[push.worker] + 1)  # as they will be once the push is applied
@@ -447,8 +458,8 @@ class Shard:
         self._count(self.metrics.bytes_in, len(data))
         with self.cond:
             self.consistency.seen(req.worker)
-            if self._in_one_call(req, encoding):
-                out, nbytes = self._apply_and_answer(req)
+            if self._takes_async_in_c(req, encoding):
+                out, nbytes = self._apply_async_in_c(req)
                 self._count(self.metrics.bytes_out, nbytes)
                 return out
             try:
@@ -460,8 +471,9 @@ class Shard:
             shared = (
                 self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
             )
-            if shared and self._shared_reply[:2] == (self.version, encoding):
-                out = self._shared_reply[2]
+            reuse = self._shared_reply
+            if shared and reuse is not None and (reuse.version, reuse.encoding) == (self.version, encoding):
+                out = reuse.encoded
                 self._count(self.metrics.bytes_out, _size(out))
                 return out
             meta = self._reply_meta(self.version, 0 if shared else self.clocks[req.worker], stale, pending)
@@ -470,7 +482,7 @@ class Shard:
         # arrays that updates replace rather than change.
         out = ENCODERS[encoding](meta, tensors)
         if shared:
-            self._shared_reply = (meta["version"], encoding, out)
+            self._shared_reply = SharedReply(meta["version"], encoding, out)
         self._count(self.metrics.bytes_out, _size(out))
         return out
 
@@ -612,6 +624,10 @@ def _handlers(shard: Shard, data_port: int | None, refused) -> grpc.GenericRpcHa
         except Rejected as err:
             refused(err.reason, str(err))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{err.reason}: {err}")
+        except Exception:  # a bug of the PS's, not of the request: said as such, counted, and the PS goes on
+            log.exception("a Step request met an unexpected error")
+            refused(wire.INTERNAL_REASON, "unexpected error (see the PS's log)")
+            context.abort(grpc.StatusCode.INTERNAL, f"{wire.INTERNAL_REASON}: unexpected error in the PS")
 
     def step(request: bytes, context) -> bytes:
         return guarded(shard.step, request, context)

@@ -3,15 +3,20 @@
     message = u32 header length | JSON header | payload
     header  = {"meta": {...}, "tensors": [[name, dtype, shape, nbytes], ...]}
 
-The header is strict JSON, written and read with orjson (a float that is not finite, such as a
-NaN loss, goes as null): a Step's header costs 15 µs to write and read with the standard
-library's json, 3 µs with orjson, and each side of every Step does both. Tensors follow one
-another in the payload in header order, each starting on a multiple of `align` bytes from the
-message's start (the header is padded with spaces, tensors with zero bytes), so that a message
-received into an aligned buffer (`aligned_empty`) hands TensorFlow tensors it can use in place
-(runtime/zerocopy.py). Decoding never copies: each tensor is an `np.frombuffer` view of the
-received bytes. Messages larger than UNARY_MAX_BYTES travel as a gRPC stream of CHUNK_BYTES
-chunks (see `encode_chunks` / `join`).
+The header is strict JSON, written and read with orjson, a fraction of the standard library's
+cost on both sides of every Step (a float that is not finite, such as a NaN loss, goes as null).
+Tensors follow one another in the payload in header order, each starting on a multiple of
+`align` bytes from the message's start (the header is padded with spaces, tensors with zero
+bytes), so that a message received into an aligned buffer (`aligned_empty`) hands TensorFlow
+tensors it can use in place (runtime/zerocopy.py). Decoding does not copy: each tensor is an
+`np.frombuffer` view of the received bytes, but for a tensor that does not lie aligned for its
+items in memory (a message of a sender that does not align them), which is copied. Messages
+larger than UNARY_MAX_BYTES travel as a gRPC stream of CHUNK_BYTES chunks (see `encode_chunks` /
+`join`).
+
+A message comes from the network: its header's length, its count of tensors and each tensor's
+count of dimensions are bounded (MAX_HEADER_BYTES, MAX_TENSORS, MAX_DIMS) and checked before any
+work that grows with them, and anything malformed raises WireError, never another exception.
 """
 
 from __future__ import annotations
@@ -27,20 +32,21 @@ import orjson
 
 ALIGN = 64  # TensorFlow's CPU buffer alignment (EIGEN_MAX_ALIGN_BYTES with AVX-512)
 MAX_ALIGN = 4096
+MAX_HEADER_BYTES = 4 << 20  # a header describes its tensors: ~40k of them fit in this
+MAX_TENSORS = 65536
+MAX_DIMS = 32  # NumPy takes 64 at most
 _ZEROS = bytes(ALIGN)
 CHUNK_BYTES = 4 << 20
 # Larger messages are streamed in chunks. Up to glibc's largest mmap threshold (runtime/malloc.py)
-# a whole message reuses warm heap pages, and one unary call costs less than a stream: 5.8M
-# MLP on 2 PS (11.6 MB a shard), 8% more examples/s and 8% less CPU than with 4 MiB chunks.
+# a whole message reuses warm heap pages, and one unary call costs less than a stream.
 UNARY_MAX_BYTES = 32 << 20
 MAX_MESSAGE_BYTES = 1 << 30
 HEADER_LENGTH = struct.Struct("<I")  # the header's length, first in a message
 _DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # NumPy scalars in a meta, as the standard library's json took them
-json_loads = orjson.loads  # the header's parser, here and in _rows.parse_request
+json_loads = orjson.loads  # the header's parser, here and in runtime/_rows_wire.c
 
-# A message of float32 and int64 arrays is framed and its header read in C (runtime/_rows.c), the same
-# bytes and the same header as below: a worker's push of 12 tensors framed in 11 µs instead of 17, the
-# header of one of 12 read in 7 instead of 31 (both a step: about 45 µs of a 2M-row worker's ~2 ms).
+# A message of float32 and int64 arrays is framed and its header read in C (runtime/_rows_wire.c),
+# the same bytes and the same header as below, in less of the step's CPU that both sides spend on it.
 try:
     from ._rows import encode_message as _encode_in_c
     from ._rows import read_header as _read_header_in_c
@@ -54,6 +60,9 @@ def json_dumps(obj) -> bytes:
 
 
 SERVICE = "tfps.ParameterServer"
+# A refusal's reason (tfps_ps_rejected_requests_total{reason}) for a request that met a bug of the
+# PS's rather than a fault of its own: answered INTERNAL, not INVALID_ARGUMENT, on either transport.
+INTERNAL_REASON = "internal"
 # The PS's gRPC methods and their shapes (the names of grpc's `*_rpc_method_handler` on the
 # server and of the channel's call factories on the client), declared once for both.
 METHODS = {
@@ -100,8 +109,8 @@ def dtype(name: str) -> np.dtype:
 
 
 def dtype_name(dt: np.dtype) -> str:
-    """The wire name of a dtype (np.dtype.name is computed in Python on every access, ~2 µs,
-    and a message has ~10 tensors)."""
+    """The wire name of a dtype (np.dtype.name is computed in Python on every access, for each of a
+    message's tensors)."""
     name = _DTYPE_NAMES.get(dt)
     return name if name is not None else np.dtype(dt).name
 
@@ -160,9 +169,8 @@ def expand(parts: Iterable) -> Iterator:
 
 
 def address(arr: np.ndarray) -> int:
-    """Where `arr`'s first byte is. `ndarray.ctypes` builds an object on every call (2 µs, and a
-    worker asks about ten times a step); ctypes finds it in a third of that for a writable,
-    C-contiguous, non-empty array of NumPy's own dtypes."""
+    """Where `arr`'s first byte is. `ndarray.ctypes` builds an object on every call; ctypes finds it
+    in less for a writable, C-contiguous, non-empty array of NumPy's own dtypes."""
     if arr.dtype in _ADDRESSABLE and arr.size and arr.flags.writeable and arr.flags.c_contiguous:
         return ctypes.addressof(_CHAR.from_buffer(arr))
     return arr.ctypes.data
@@ -235,6 +243,8 @@ def _header_in_python(view: memoryview, total: int) -> tuple[dict, list[tuple[st
     start = HEADER_LENGTH.size + hlen
     if start > min(len(view), total):
         raise WireError("truncated", f"header of {hlen} bytes exceeds message of {total} bytes")
+    if hlen > MAX_HEADER_BYTES:
+        raise WireError("oversize", f"header of {hlen} bytes is over the limit of {MAX_HEADER_BYTES}")
     try:
         head = json_loads(view[HEADER_LENGTH.size : start])
         meta, entries, align = head["meta"], head["tensors"], head.get("align", 1)
@@ -243,28 +253,50 @@ def _header_in_python(view: memoryview, total: int) -> tuple[dict, list[tuple[st
         if type(align) is not int or not 1 <= align <= MAX_ALIGN:
             raise TypeError(f"align must be an integer in 1..{MAX_ALIGN}")
     except (ValueError, KeyError, TypeError) as err:
-        raise WireError("malformed", f"unreadable header: {err}") from None
+        raise WireError("malformed", f"unreadable header: {brief(err)}") from None
+    if len(entries) > MAX_TENSORS:
+        raise WireError("oversize", f"{len(entries)} tensors, over the limit of {MAX_TENSORS}")
     places, offset = [], start
-    for entry in entries:
-        try:
-            name, wire_name, shape, nbytes = entry
-            dt = dtype(wire_name)
-            shape = tuple(map(int, shape))
-            nbytes = int(nbytes)
-        except (KeyError, ValueError, TypeError):
-            raise WireError("wrong_dtype", f"tensor entry {entry!r}: unsupported dtype or bad entry") from None
-        if nbytes != math.prod(shape) * dt.itemsize or (shape and min(shape) < 0):
-            raise WireError(
-                "wrong_shape", f"tensor {name!r}: {nbytes} bytes do not match shape {list(shape)} of {wire_name}"
-            )
+    for index, entry in enumerate(entries):
+        name, dt, shape, nbytes = _entry(index, entry)
         offset += -offset % align
         if offset + nbytes > total:
-            raise WireError("truncated", f"tensor {name!r}: payload ends {offset + nbytes - total} bytes early")
+            raise WireError("truncated", f"tensor {brief(name)}: payload ends {offset + nbytes - total} bytes early")
         places.append((name, dt, shape, offset, nbytes))
         offset += nbytes
     if offset != total:
         raise WireError("truncated", f"{total - offset} unexpected bytes after the last tensor")
     return meta, places
+
+
+def brief(value, limit: int = 80) -> str:
+    """`value`'s repr, cut to `limit` characters: what a refusal says of what a sender sent."""
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _entry(index: int, entry) -> tuple[str, np.dtype, tuple, int]:
+    """Tensor entry number `index` of a header, [name, dtype, shape, nbytes], checked: its name a
+    string, its dtype the wire's, its shape at most MAX_DIMS counts (checked before its size is
+    computed), its size in bytes its shape's."""
+    if type(entry) is not list or len(entry) != 4:
+        raise WireError("wrong_dtype", f"tensor entry {index}: not [name, dtype, shape, nbytes]")
+    name, wire_name, shape, nbytes = entry
+    if type(name) is not str:
+        raise WireError("malformed", f"tensor entry {index}: its name {brief(name)} is not a string")
+    try:
+        dt = dtype(wire_name)
+    except (KeyError, TypeError):
+        raise WireError("wrong_dtype", f"tensor {brief(name)}: unsupported dtype {brief(wire_name)}") from None
+    if type(shape) is not list or len(shape) > MAX_DIMS:
+        raise WireError("wrong_shape", f"tensor {brief(name)}: a shape is a list of at most {MAX_DIMS} counts")
+    if not all(type(n) is int and n >= 0 for n in shape) or type(nbytes) is not int:
+        raise WireError("wrong_shape", f"tensor {brief(name)}: shape {brief(shape)} and size {brief(nbytes)}")
+    if nbytes != math.prod(shape) * dt.itemsize:
+        raise WireError(
+            "wrong_shape", f"tensor {brief(name)}: {nbytes} bytes do not match shape {brief(shape)} of {wire_name}"
+        )
+    return name, dt, tuple(shape), nbytes
 
 
 def decode(data: bytes) -> Message:
@@ -275,9 +307,11 @@ def decode(data: bytes) -> Message:
 
 
 def tensor_at(view: memoryview, place: tuple) -> np.ndarray:
-    """The tensor at `place` (one of `header`'s) of the message whose bytes `view` holds: a view of them."""
+    """The tensor at `place` (one of `header`'s) of the message whose bytes `view` holds: a view of
+    them, or a copy where they do not lie aligned for its items (the kernels read them as such)."""
     _, dt, shape, offset, nbytes = place
-    return np.frombuffer(view, dt, nbytes // dt.itemsize, offset).reshape(shape)
+    arr = np.frombuffer(view, dt, nbytes // dt.itemsize, offset).reshape(shape)
+    return arr if arr.flags.aligned else arr.copy()
 
 
 def iter_chunks(data: bytes, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:

@@ -40,7 +40,7 @@ def _shard(ps_index: int, optimizer: str, one_call: bool) -> tuple[Shard, Collec
         PSMetrics(Identity("t", "default", "ps", ps_index), registry),
         num_ps=2,
     )
-    shard._one_call = shard._one_call and one_call
+    shard._async_in_c = shard._async_in_c and one_call
     shard.incarnation = "same"  # else a random token each, in every reply
     return shard, registry
 

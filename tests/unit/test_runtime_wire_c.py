@@ -112,6 +112,8 @@ def _message(entries: list, payload: int, **head) -> bytes:
         (_message([], 0, align=True), "malformed"),
         (b"\x05\x00\x00\x00{not json", "malformed"),
         (b"\x01\x00", "truncated"),
+        (_message([["w", "float32", [2.0], 8]], 8), "wrong_shape"),  # a count that is not an integer
+        (_message([[7, "float32", [1], 4]], 4), "malformed"),  # a name that is not a string
     ],
 )
 def test_a_malformed_header_is_left_to_python_which_names_what_is_wrong(data, reason):
@@ -124,8 +126,7 @@ def test_a_malformed_header_is_left_to_python_which_names_what_is_wrong(data, re
 def test_what_python_reads_its_own_way_is_left_to_it(python_only):
     for entries, payload in (
         ([["w", "bfloat16", [2], 4]], 4),
-        ([["w", "float32", [2.0], 8]], 8),
-        ([[7, "float32", [1], 4]], 4),
+        ([["w", "float32", [2, 1, 1, 1, 1, 1, 1, 1, 1], 8]], 8),  # more dimensions than the C reader takes
     ):
         data = _message(entries, payload)
         assert _rows.read_header(data, len(data)) is None
