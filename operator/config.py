@@ -114,6 +114,9 @@ class OperatorConfig(_Model):
     resync_seconds: float = Field(30.0, gt=0)
     # Seconds between reads of the PS pods' metrics for status.progress.
     progress_seconds: float = Field(10.0, gt=0)
+    # Grace period of the pods a finished job still has: a program that ignores SIGTERM (PID 1 in its
+    # container) must not hold its CPUs and GPUs for the pod's whole default grace period.
+    finished_pod_grace_seconds: int = Field(2, ge=0)
     # Threads doing API calls for reconciles (jobs are reconciled concurrently).
     reconcile_workers: int = Field(16, ge=1)
     scheduling: SchedulingSettings = Field(default_factory=SchedulingSettings)

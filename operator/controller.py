@@ -168,15 +168,11 @@ class Controller:
                 self.metrics.pods_restarted.inc()
                 self.metrics.pods_deleted.inc()
                 log.info("%s/%s: restarting pod %s", *job, pod_name)
-        deleted = [
-            n
-            for n, ok in zip(
-                result.delete,
-                self._calls.map(key, lambda n: self.kube.delete_pod(namespace, n), result.delete),
-                strict=True,
-            )
-            if ok
-        ]
+        # (name, grace seconds): None keeps the pod's own grace period.
+        grace = self.config.finished_pod_grace_seconds
+        calls = [(n, None) for n in result.delete] + [(n, grace) for n in result.stop]
+        results = self._calls.map(key, lambda call: self.kube.delete_pod(namespace, *call), calls)
+        deleted = [name for (name, _), ok in zip(calls, results, strict=True) if ok]
         for pod_name in deleted:
             self.pods.mark_deleting(job, pod_name)
         self.metrics.pods_deleted.inc(len(deleted))
@@ -213,7 +209,7 @@ class Controller:
             body["metadata"].get("uid", ""),
             ending=kueue.ending(result.status.get("phase")),
             restart=result.restart,
-            delete=result.delete,
+            delete=[*result.delete, *result.stop],
         )
         self._calls.map(key, lambda item: self.kube.patch_pod(namespace, *item), patches)
 

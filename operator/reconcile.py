@@ -49,6 +49,8 @@ class Plan:
     status: dict[str, Any]
     create: list[tuple[ReplicaType, int]] = field(default_factory=list)
     delete: list[str] = field(default_factory=list)  # pod names, graceful
+    # Pods of a finished job: its work is done, so they go after a short grace whatever their program does.
+    stop: list[str] = field(default_factory=list)
     restart: list[str] = field(default_factory=list)  # pod names deleted to be recreated
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     delete_job: bool = False
@@ -169,14 +171,14 @@ def _finish(
 def _clean_pods(plan: Plan, job: TrainingJob, pods: list[PodView], delete_all: bool) -> None:
     policy = job.spec.run_policy.clean_pod_policy
     for pod in pods:
-        if pod.deleting or pod.name in plan.delete:
+        if pod.deleting or pod.name in plan.delete or pod.name in plan.stop:
             continue
         if (
             delete_all
             or policy is CleanPodPolicy.ALL
             or (policy is CleanPodPolicy.RUNNING and pod.phase in ("Running", "Pending", "Unknown"))
         ):
-            plan.delete.append(pod.name)
+            plan.stop.append(pod.name)
 
 
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime) -> Plan:

@@ -87,7 +87,7 @@ def test_restart_policies(policy, code, restarted):
         assert p.status["phase"] == "Failed" and not p.restart
         assert p.status["conditions"][-1]["reason"] == "WorkerFailed"
         assert "exit code 1" in p.status["conditions"][-1]["message"]
-        assert set(p.delete) == {f"j-ps-{i}" for i in range(2)} | {f"j-worker-{i}" for i in (0, 2, 3)}
+        assert set(p.stop) == {f"j-ps-{i}" for i in range(2)} | {f"j-worker-{i}" for i in (0, 2, 3)}
 
 
 def test_ps_failure_restarts_the_ps_and_job_comes_back_running():
@@ -144,8 +144,9 @@ def test_success_policy(success_policy, finished, succeeded):
     assert (p.status["phase"] == "Succeeded") is succeeded
     if succeeded:
         assert p.status["completionTime"]
-        # cleanPodPolicy Running (default): running pods (the PS above all) are deleted
-        assert {"j-ps-0", "j-ps-1"} <= set(p.delete) and not set(p.delete) & {f"j-{n[2:]}" for n in finished}
+        # cleanPodPolicy Running (default): running pods (the PS above all) are stopped at once
+        assert {"j-ps-0", "j-ps-1"} <= set(p.stop) and not set(p.stop) & {f"j-{n[2:]}" for n in finished}
+        assert not p.delete
 
 
 def test_chief_decides_success_when_present():
@@ -160,9 +161,9 @@ def test_clean_pod_policy(policy, deleted):
     body = _body(runPolicy={"cleanPodPolicy": policy})
     _settle(body, [])
     p = _settle(body, _pods(body, j_worker_0=("Succeeded", 0, 0)))
-    assert len(p.delete) == deleted
+    assert len(p.stop) == deleted and not p.delete
     again = _settle(body, _pods(body, j_worker_0=("Succeeded", 0, 0)))  # after an operator restart: same cleanup
-    assert len(again.delete) == deleted and not again.create
+    assert len(again.stop) == deleted and not again.create
 
 
 def test_deadline_fails_and_deletes_every_pod():
@@ -171,7 +172,7 @@ def test_deadline_fails_and_deletes_every_pod():
     assert p.requeue_after == 60
     p = _settle(body, _pods(body), NOW + timedelta(seconds=61))
     assert p.status["phase"] == "Failed" and p.status["conditions"][-1]["reason"] == "DeadlineExceeded"
-    assert len(p.delete) == 6
+    assert len(p.stop) == 6
 
 
 def test_ttl_deletes_the_finished_job():
@@ -189,7 +190,8 @@ def test_suspend_deletes_pods_and_resume_recreates_them():
     _settle(body, _pods(body))
     body["spec"]["runPolicy"] = {"suspend": True}
     p = _settle(body, _pods(body))
-    assert p.status["phase"] == "Suspended" and len(p.delete) == 6 and not p.create
+    # a suspended job resumes: its pods keep their grace period (the PS writes its last checkpoint)
+    assert p.status["phase"] == "Suspended" and len(p.delete) == 6 and not p.stop and not p.create
     p = _settle(body, [])
     assert p.status["phase"] == "Suspended" and not p.events
     body["spec"]["runPolicy"] = {"suspend": False}

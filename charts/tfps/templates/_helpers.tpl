@@ -90,6 +90,7 @@ networkPolicy:
     {{- toYaml $rt.networkPolicy.metricsFrom | nindent 4 }}
 resyncSeconds: {{ $op.resyncSeconds }}
 progressSeconds: {{ $op.progressSeconds }}
+finishedPodGraceSeconds: {{ $op.finishedPodGraceSeconds }}
 reconcileWorkers: {{ $op.reconcileWorkers }}
 scheduling:
   gang: {{ .Values.scheduling.gang }}
