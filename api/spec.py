@@ -104,7 +104,9 @@ class ConsistencySpec(_Model):
 
 class CheckpointSpec(_Model):
     path: str | None = None
-    every_steps: int = Field(200, ge=1)
+    # By time, as TF's Estimator did: a checkpoint's cost is the same whatever a step costs.
+    every_seconds: int = Field(600, ge=1)
+    every_steps: int | None = Field(None, ge=1)  # also, when set: whichever is due first
 
 
 class TrainingSpec(_Model):

@@ -70,28 +70,20 @@ def manifest(
                 "consistency": {"mode": mode},
                 "wireDtype": wire_dtype,
                 # by default no periodic checkpoints, as on the anchors' side (tfps local writes them by default)
-                "checkpoint": {"everySteps": every_steps},
+                "checkpoint": {"everySteps": every_steps, "everySeconds": NO_CHECKPOINT_STEPS},
             },
             "runPolicy": {"backoffLimit": 0},
         },
     }
 
 
-def measure(
-    shape,
-    mode: str,
-    examples: float,
-    expected_rate: float,
-    learning_rate: float = 0.01,
-    seed: int = 0,
-    wire_dtype: str = "float32",
-    optimizer: str = "sgd",
-    every_steps: int = NO_CHECKPOINT_STEPS,
-) -> dict:
-    """Run the manifest for about `examples` examples; `expected_rate` (examples/s) sizes the timeout."""
-    steps = steps_for(mode, shape, examples)
+def measure(shape, mode: str, examples: float, expected_rate: float, learning_rate: float = 0.01, **options) -> dict:
+    """Run the manifest (`options`: manifest's seed, wire_dtype, optimizer, every_steps) for about
+    `examples` examples; `expected_rate` (examples/s) sizes the timeout."""
     timeout = STARTUP_ALLOWANCE_S + 8 * examples / max(expected_rate, 1.0)
-    job = manifest(shape, mode, steps, learning_rate, seed, wire_dtype, optimizer, every_steps)
+    job = manifest(shape, mode, steps_for(mode, shape, examples), learning_rate, **options)
+    training = job["spec"]["training"]
+    optimizer, wire_dtype = training["optimizer"]["name"], training["wireDtype"]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="tfps-bench-") as fh:
         yaml.safe_dump(job, fh)
         fh.flush()

@@ -22,12 +22,15 @@ import mmap
 import os
 import signal
 import tempfile
+import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
 import numpy as np
 
 from tfps.api.settings import ProcessSettings
+from tfps.api.spec import CheckpointSpec
 
 from . import _rows as kernels
 from . import wire
@@ -301,14 +304,29 @@ class ShardCheckpoints:
     """One PS shard's checkpoints: written in the background as the shard steps on, or now
     (and waited for) when the job ends; read back when the PS starts again."""
 
-    def __init__(self, root: str | Path, index: int, metrics, every_steps: int, last_step: int):
+    def __init__(
+        self,
+        root: str | Path,
+        index: int,
+        metrics,
+        every: CheckpointSpec,
+        last_step: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.root, self.folder, self.index, self.metrics = root, shard_dir(root, index), index, metrics
-        self.every_steps, self.last_step = every_steps, last_step
+        self.every, self.last_step, self._clock = every, last_step, clock
+        self._started = clock()  # of the previous checkpoint, or of the shard
         self.step = -1  # the newest written
         self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix="ckpt")
 
     def due(self, version: int) -> bool:
-        return version % self.every_steps == 0 or version == self.last_step
+        """Whether the shard at this version is to be checkpointed now; a True restarts the timer."""
+        now = self._clock()
+        by_steps = self.every.every_steps is not None and version % self.every.every_steps == 0
+        if by_steps or version == self.last_step or now - self._started >= self.every.every_seconds:
+            self._started = now
+            return True
+        return False
 
     def save(self, meta: dict, tensors: dict, wait: bool = False) -> None:
         written = self._pool.submit(self._write, meta, tensors)

@@ -120,7 +120,7 @@ class Shard:
         self.examples = 0
         self.loss: float | None = None
         self.checkpoints = (
-            ShardCheckpoints(checkpoint_root, index, metrics, training.checkpoint.every_steps, self.steps)
+            ShardCheckpoints(checkpoint_root, index, metrics, training.checkpoint, self.steps)
             if checkpoint_root
             else None
         )
