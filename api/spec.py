@@ -191,6 +191,12 @@ class TrainingJob(_Model):
         return self.metadata.get("namespace", "default")
 
 
+def manifest_for(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """A TrainingJob's manifest as a plain dict, for whoever writes one in code (`spec` in the
+    manifest's field names)."""
+    return {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "metadata": {"name": name}, "spec": spec}
+
+
 def load_manifest(path: str | Path) -> TrainingJob:
     """Read the first TrainingJob in a YAML file; a clear ValueError names what is wrong."""
     import yaml  # here: PS and worker processes never read a manifest

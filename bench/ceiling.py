@@ -16,7 +16,15 @@ import sys
 
 from . import mlp
 from .anchor_tf_pss import add_model_arguments
-from .procs import child_or_orchestrator, module_cmd, run_together, size_tf_threads, timed_window
+from .procs import (
+    add_processes_argument,
+    child_or_orchestrator,
+    flag_args,
+    module_cmd,
+    run_together,
+    size_tf_threads,
+    timed_window,
+)
 
 MODULE = "tfps.bench.ceiling"
 
@@ -59,11 +67,17 @@ def child(args: argparse.Namespace) -> None:
 
 def measure(args: argparse.Namespace) -> dict:
     hidden = mlp.parse_hidden(args.hidden)
-    base = [
-        "--child", "--input-dim", str(args.input_dim), "--hidden", args.hidden, "--classes", str(args.classes),
-        "--batch", str(args.batch), "--seconds", str(args.seconds), "--warmup-seconds", str(args.warmup_seconds),
-        "--seed", str(args.seed), "--processes", str(args.processes),
-    ]  # fmt: skip
+    options = {
+        "--input-dim": args.input_dim,
+        "--hidden": args.hidden,
+        "--classes": args.classes,
+        "--batch": args.batch,
+        "--seconds": args.seconds,
+        "--warmup-seconds": args.warmup_seconds,
+        "--seed": args.seed,
+        "--processes": args.processes,
+    }
+    base = ["--child", *flag_args(options)]
     results = run_together(
         [module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 60
     )
@@ -81,15 +95,7 @@ def measure(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=3,
-        help=(
-            "replicas of the tfps job it stands for (workers + PS): "
-            "each worker sizes TensorFlow's pools as `tfps local` sizes a replica's"
-        ),
-    )
+    add_processes_argument(parser)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     return child_or_orchestrator(parser.parse_args(argv), child, measure)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from .procs import ANCHOR_CRASH_RETRIES, CPU_FIGURES, Repeat, child_env, module_cmd, run_json
+from .procs import ANCHOR_CRASH_RETRIES, CPU_FIGURES, Repeat, child_env, flag_args, module_cmd, run_json
 
 MODEL = "wide-deep"
 OPTIMIZERS = ("sgd", "adam")
@@ -92,27 +92,18 @@ def shard_state_bytes(shape: EmbeddingShape, optimizer: str) -> int:
 def measure_anchor(shape: EmbeddingShape, optimizer: str, learning_rate: float, cfg: dict) -> dict:
     from .anchor_tf_embedding import ENV, MODULE
 
-    cmd = module_cmd(
-        MODULE,
-        "--vocab",
-        str(shape.vocab),
-        "--dim",
-        str(shape.dim),
-        "--optimizer",
-        optimizer,
-        "--batch",
-        str(shape.batch),
-        "--workers",
-        str(shape.workers),
-        "--ps",
-        str(shape.ps),
-        "--seconds",
-        str(cfg["seconds"]),
-        "--warmup-seconds",
-        str(cfg["warmup_seconds"]),
-        "--learning-rate",
-        str(learning_rate),
-    )
+    options = {
+        "--vocab": shape.vocab,
+        "--dim": shape.dim,
+        "--optimizer": optimizer,
+        "--batch": shape.batch,
+        "--workers": shape.workers,
+        "--ps": shape.ps,
+        "--seconds": cfg["seconds"],
+        "--warmup-seconds": cfg["warmup_seconds"],
+        "--learning-rate": learning_rate,
+    }
+    cmd = module_cmd(MODULE, *flag_args(options))
     timeout = ANCHOR_STARTUP_S + 4 * (cfg["seconds"] + cfg["warmup_seconds"])
     return run_json(
         cmd, timeout, f"TF strategy ({shape.name}, {optimizer})", env=child_env(ENV), crash_retries=ANCHOR_CRASH_RETRIES

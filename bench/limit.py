@@ -54,8 +54,10 @@ from tfps.runtime.wire import ALIGN, aligned_array
 
 from .procs import (
     LOOPBACK,
+    add_processes_argument,
     child_env,
     child_or_orchestrator,
+    flag_args,
     last_json_line,
     module_cmd,
     run_json,
@@ -547,22 +549,15 @@ def measure(args: argparse.Namespace) -> dict:
     answerer, listener = _answer_main(args, Shards(model.params, args.answerers), 0)
     freeze_startup_objects()
     # the other answering processes, each its own process as each PS is
-    common = [
-        "--model",
-        args.model,
-        "--model-args",
-        args.model_args,
-        "--seed",
-        str(args.seed),
-        "--update",
-        args.update,
-        "--optimizer",
-        args.optimizer,
-        "--learning-rate",
-        str(args.learning_rate),
-        "--answerers",
-        str(args.answerers),
-    ]
+    model_flags = {"--model": args.model, "--model-args": args.model_args, "--seed": args.seed, "--update": args.update}
+    common = flag_args(
+        {
+            **model_flags,
+            "--optimizer": args.optimizer,
+            "--learning-rate": args.learning_rate,
+            "--answerers": args.answerers,
+        }
+    )
     others = [
         subprocess.Popen(
             module_cmd(MODULE, *common, "--answer", str(k)),
@@ -575,29 +570,16 @@ def measure(args: argparse.Namespace) -> dict:
     ]
     try:
         ports = [listener.getsockname()[1], *(json.loads(proc.stdout.readline())["port"] for proc in others)]
-        base = [
-            "--child",
-            "--model",
-            args.model,
-            "--model-args",
-            args.model_args,
-            "--batch",
-            str(args.batch),
-            "--workers",
-            str(args.workers),
-            "--seconds",
-            str(args.seconds),
-            "--warmup-seconds",
-            str(args.warmup_seconds),
-            "--seed",
-            str(args.seed),
-            "--port",
-            ",".join(map(str, ports)),
-            "--processes",
-            str(args.processes),
-            "--update",
-            args.update,
-        ]
+        options = {
+            **model_flags,
+            "--batch": args.batch,
+            "--workers": args.workers,
+            "--seconds": args.seconds,
+            "--warmup-seconds": args.warmup_seconds,
+            "--port": ",".join(map(str, ports)),
+            "--processes": args.processes,
+        }
+        base = ["--child", *flag_args(options)]
         results = run_together(
             [module_cmd(MODULE, *base, "--index", str(i)) for i in range(args.workers)], args.seconds * 4 + 120
         )
@@ -640,31 +622,20 @@ def run(
     `sharded`, over as many answering processes as the shape has PS."""
     lr = cfg["learning_rate"] if learning_rate is None else learning_rate
     answerers = shape.ps if sharded else 1
-    cmd = module_cmd(
-        MODULE,
-        "--model",
-        shape.model,
-        "--model-args",
-        json.dumps(shape.model_args),
-        "--batch",
-        str(shape.batch),
-        "--workers",
-        str(shape.workers),
-        "--seconds",
-        str(cfg["seconds"]),
-        "--warmup-seconds",
-        str(cfg["warmup_seconds"]),
-        "--processes",
-        str(shape.workers + shape.ps),
-        "--update",
-        update,
-        "--optimizer",
-        optimizer,
-        "--learning-rate",
-        str(lr),
-        "--answerers",
-        str(answerers),
-    )
+    options = {
+        "--model": shape.model,
+        "--model-args": json.dumps(shape.model_args),
+        "--batch": shape.batch,
+        "--workers": shape.workers,
+        "--seconds": cfg["seconds"],
+        "--warmup-seconds": cfg["warmup_seconds"],
+        "--processes": shape.workers + shape.ps,
+        "--update": update,
+        "--optimizer": optimizer,
+        "--learning-rate": lr,
+        "--answerers": answerers,
+    }
+    cmd = module_cmd(MODULE, *flag_args(options))
     what = "limit" if update == "none" else f"limit with the {update} {optimizer} update"
     if sharded:
         what += f" over {answerers} answering processes"
@@ -677,15 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-args", default="{}", help="its spec.training.modelArgs, as JSON")
     parser.add_argument("--batch", type=int, default=128, help="per worker")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument(
-        "--processes",
-        type=int,
-        default=3,
-        help=(
-            "replicas of the tfps job it stands for (workers + PS): "
-            "each worker sizes TensorFlow's pools as `tfps local` sizes a replica's"
-        ),
-    )
+    add_processes_argument(parser)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--warmup-seconds", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)

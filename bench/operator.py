@@ -31,8 +31,13 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tfps.api.spec import API_GROUP as GROUP
+from tfps.api.spec import API_VERSION as VERSION
+from tfps.api.spec import PLURAL, manifest_for
+
+from .procs import flag_args, module_cmd
+
 REPO = Path(__file__).resolve().parent.parent
-GROUP, VERSION, PLURAL = "tfps.io", "v1alpha1", "trainingjobs"
 UNSCHEDULABLE = {"spec": {"nodeSelector": {"tfps.io/bench": "status-set-by-bench"}}}
 
 
@@ -55,18 +60,23 @@ def _proc_usage(pid: int) -> tuple[float, int]:
 
 
 def _job(name: str, ps: int, workers: int) -> dict:
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "TrainingJob",
-        "metadata": {"name": name},
-        "spec": {
-            "replicaSpecs": {
-                "PS": {"replicas": ps, "template": UNSCHEDULABLE},
-                "Worker": {"replicas": workers, "template": UNSCHEDULABLE},
-            },
-            "training": {"steps": 10},
-        },
+    replicas = {
+        "PS": {"replicas": ps, "template": UNSCHEDULABLE},
+        "Worker": {"replicas": workers, "template": UNSCHEDULABLE},
     }
+    return manifest_for(name, {"replicaSpecs": replicas, "training": {"steps": 10}})
+
+
+def operator_argv(ns: str) -> list[str]:
+    """`tfps operator` for namespace `ns` alone, out of the cluster, on ports of its own choice."""
+    flags = {"-n": ns, "--metrics-port": 0, "--health-port": 0}
+    log_level = os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning")
+    return module_cmd("tfps.cli.main", "operator", "--standalone", *flag_args({**flags, "--log-level": log_level}))
+
+
+def operator_env(kubeconfig: str) -> dict[str, str]:
+    """The operator's environment: the benchmark's cluster, and its built-in configuration."""
+    return {**os.environ, "KUBECONFIG": kubeconfig, "TFPS_OPERATOR_CONFIG": ""}
 
 
 def _raw_create_seconds(core, count: int) -> float:
@@ -166,28 +176,10 @@ def run_bench(
     ns = _new_namespace(core, client)
     nodes = sorted(n.metadata.name for n in core.list_node().items)
 
-    env = {**os.environ, "KUBECONFIG": kubeconfig, "TFPS_OPERATOR_CONFIG": ""}
     # The operator writes to its own copy of the descriptor; the file stays (delete=False) for the report.
     with tempfile.NamedTemporaryFile("w", prefix="tfps-operator-bench-", suffix=".log", delete=False) as log:
         operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tfps.cli.main",
-                "operator",
-                "-n",
-                ns,
-                "--standalone",
-                "--metrics-port",
-                "0",
-                "--health-port",
-                "0",
-                "--log-level",
-                os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning"),
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            operator_argv(ns), env=operator_env(kubeconfig), stdout=log, stderr=subprocess.STDOUT
         )
     created_at: dict[str, float] = {}
     pods_seen: dict[str, list[float]] = {}

@@ -46,16 +46,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, manifest_for
+
 from . import operator_apiserver as apiserver
 from . import operator_kwok
 from . import operator_report as report
 from . import training_operator as anchor
-from .operator import _proc_usage, _until
+from .operator import _proc_usage, _until, operator_argv, operator_env
 from .procs import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 log = logging.getLogger("tfps.bench.operator_scale")
-TFPS = ("tfps.io", "v1alpha1", "trainingjobs")
+TFPS = (API_GROUP, API_VERSION, PLURAL)
 JOB_PREFIX = "job-"
 
 
@@ -92,17 +94,10 @@ def templates(placement: dict, succeed_annotation: str | None, succeed_after: st
 
 
 def tfps_job(name: str, ps: int, workers: int, templates_: dict[str, dict]) -> dict[str, Any]:
-    specs = {
-        rtype: {"replicas": n, "restartPolicy": "OnFailure", "template": copy.deepcopy(templates_[rtype])}
-        for rtype, n in (("PS", ps), ("Worker", workers))
-        if n
-    }
-    return {
-        "apiVersion": f"{TFPS[0]}/{TFPS[1]}",
-        "kind": "TrainingJob",
-        "metadata": {"name": name},
-        "spec": {"replicaSpecs": specs, "training": {"steps": 10}, "runPolicy": {"cleanPodPolicy": "Running"}},
-    }
+    specs = anchor.replica_specs(ps, workers, templates_)
+    return manifest_for(
+        name, {"replicaSpecs": specs, "training": {"steps": 10}, "runPolicy": {"cleanPodPolicy": "Running"}}
+    )
 
 
 @dataclass(frozen=True)
@@ -119,46 +114,23 @@ class Side:
 
 
 def sides() -> dict[str, Side]:
-    tfps_argv = lambda ns: [
-        sys.executable,
-        "-m",
-        "tfps.cli.main",
-        "operator",
-        "-n",
-        ns,
-        "--standalone",  # noqa: E731
-        "--metrics-port",
-        "0",
-        "--health-port",
-        "0",
-        "--log-level",
-        os.environ.get("TFPS_BENCH_OPERATOR_LOG", "warning"),
-    ]
-    tfps_env = lambda ns, kc: {**os.environ, "KUBECONFIG": kc, "TFPS_OPERATOR_CONFIG": ""}  # noqa: E731
+    tfps_env = lambda ns, kc: operator_env(kc)  # noqa: E731
     tfps_phase = lambda obj: (obj.get("status") or {}).get("phase")  # noqa: E731
     to_gvp = (anchor.GROUP, anchor.API_VERSION, anchor.PLURAL)
     to_phase = lambda obj: anchor.phase(obj.get("status"))  # noqa: E731
-    return {
-        "tfps": Side("tfps", TFPS, tfps_job, tfps_phase, tfps_argv, tfps_env),
-        "stock": Side(
-            "stock",
+    anchors = {
+        key: Side(
+            key,
             to_gvp,
             anchor.tfjob,
             to_phase,
-            lambda ns: anchor.argv(ns, False, free_port()),
+            lambda ns, raised=(key == "raised"): anchor.argv(ns, raised, free_port()),
             anchor.env,
             anchor.prepare_namespace,
-        ),
-        "raised": Side(
-            "raised",
-            to_gvp,
-            anchor.tfjob,
-            to_phase,
-            lambda ns: anchor.argv(ns, True, free_port()),
-            anchor.env,
-            anchor.prepare_namespace,
-        ),
+        )
+        for key in ("stock", "raised")
     }
+    return {"tfps": Side("tfps", TFPS, tfps_job, tfps_phase, operator_argv, tfps_env), **anchors}
 
 
 @dataclass

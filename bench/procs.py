@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -52,6 +53,11 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def module_cmd(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def flag_args(flags: dict[str, object]) -> list[str]:
+    """A child's command-line options from a table of `--flag: value`, in the table's order."""
+    return [arg for flag, value in flags.items() for arg in (flag, str(value))]
 
 
 def last_json_line(text: str) -> dict:
@@ -260,6 +266,19 @@ def child_or_orchestrator(args, child: Callable, measure: Callable[..., dict]) -
     else:
         print(json.dumps(measure(args)), flush=True)
     return 0
+
+
+def add_processes_argument(parser: argparse.ArgumentParser) -> None:
+    """--processes, which size_tf_threads takes: the replicas of the job a measurement stands for."""
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=3,
+        help=(
+            "replicas of the tfps job it stands for (workers + PS): "
+            "each worker sizes TensorFlow's pools as `tfps local` sizes a replica's"
+        ),
+    )
 
 
 def size_tf_threads(processes: int) -> int:

@@ -90,15 +90,21 @@ def install_crd(kubectl: str, kubeconfig: str, path: Path | None = None, name: s
     raise RuntimeError(f"the CRD {name} is not Established")
 
 
-def tfjob(
-    name: str, ps: int, workers: int, templates: dict[str, dict], clean_pod_policy: str = "Running"
-) -> dict[str, Any]:
-    """A TFJob of `ps` PS and `workers` workers with the given pod templates (by replica type)."""
-    specs = {
+def replica_specs(ps: int, workers: int, templates: dict[str, dict]) -> dict[str, dict]:
+    """`ps` PS and `workers` workers with the given pod templates (by replica type), restarted on
+    failure: the same in a TFJob's tfReplicaSpecs as in a TrainingJob's replicaSpecs."""
+    return {
         rtype: {"replicas": n, "restartPolicy": "OnFailure", "template": copy.deepcopy(templates[rtype])}
         for rtype, n in (("PS", ps), ("Worker", workers))
         if n
     }
+
+
+def tfjob(
+    name: str, ps: int, workers: int, templates: dict[str, dict], clean_pod_policy: str = "Running"
+) -> dict[str, Any]:
+    """A TFJob of `ps` PS and `workers` workers with the given pod templates (by replica type)."""
+    specs = replica_specs(ps, workers, templates)
     return {
         "apiVersion": f"{GROUP}/{API_VERSION}",
         "kind": "TFJob",
