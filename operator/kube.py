@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict, Unpack
 from urllib.parse import urlencode
 
 import urllib3
@@ -90,6 +90,14 @@ def _unless_gone(call, *args, **kwargs) -> bool:
         raise
 
 
+class _Options(TypedDict, total=False):
+    """A request's options past its method, path and body (ApiCalls._request's keywords)."""
+
+    content_type: str
+    query: dict[str, Any] | None
+    timeout: tuple[float, float]
+
+
 def _path(api_version: str, kind: str, namespace: str, name: str = "") -> str:
     """The API path of a namespaced kind's collection, or of one object in it."""
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
@@ -120,7 +128,7 @@ class Kube:
 
     def patch_job_status(self, namespace: str, name: str, patch: dict) -> dict:
         """The job as the API server stored it after the patch."""
-        return self._raw("PATCH", _job_path(namespace, name) + "/status", {"status": patch}, MERGE_PATCH)
+        return self._raw("PATCH", _job_path(namespace, name) + "/status", {"status": patch}, content_type=MERGE_PATCH)
 
     def delete_job(self, namespace: str, name: str) -> None:
         _unless_gone(self._raw, "DELETE", _job_path(namespace, name), query={"propagationPolicy": "Foreground"})
@@ -157,18 +165,11 @@ class Kube:
             raise
         return any(r.get("name") == plural for r in found.get("resources", []))
 
-    def _raw(
-        self,
-        method: str,
-        path: str,
-        body: dict | None = None,
-        content_type: str = "application/json",
-        query: dict[str, Any] | None = None,
-    ) -> dict:
+    def _raw(self, method: str, path: str, body: dict | None = None, **options: Unpack[_Options]) -> dict:
         """One request with the client's connection and credentials; the answer's JSON. The
         operator's frequent calls all come here: the generated methods validate every argument
         with pydantic and build typed models of the answer, several times the cost of the call."""
-        data = self._request(method, path, body, content_type, query).read()
+        data = self._request(method, path, body, **options).read()
         return json.loads(data) if data else {}
 
     def _request(
@@ -242,7 +243,7 @@ class Kube:
 
     def patch_pod(self, namespace: str, name: str, patch: dict) -> bool:
         """A JSON merge patch (lists replaced whole: a pod's finalizers); False when the pod is gone."""
-        return _unless_gone(self._raw, "PATCH", _path("v1", "Pod", namespace, name), patch, MERGE_PATCH)
+        return _unless_gone(self._raw, "PATCH", _path("v1", "Pod", namespace, name), patch, content_type=MERGE_PATCH)
 
     def delete_pod(self, namespace: str, name: str, grace_seconds: int | None = None) -> bool:
         """False when the pod was already gone."""

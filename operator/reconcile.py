@@ -327,6 +327,10 @@ def _restart_failed(result: Plan, job: TrainingJob, views: list[PodView], now: d
     spec, status = job.spec, result.status
     backoff = spec.run_policy.backoff_limit
     restarted: list[PodView] = []
+
+    def fail(reason: str, message: str) -> None:
+        _finish(result, job, views, FAILED, reason, message, now)
+
     for pod in sorted(
         (p for p in views if not p.deleting and p.phase == "Failed"), key=lambda p: (p.rtype.value, p.index)
     ):
@@ -335,26 +339,13 @@ def _restart_failed(result: Plan, job: TrainingJob, views: list[PodView], now: d
             continue
         policy = spec.replica_specs[pod.rtype].restart_policy
         if not semantics.retryable(policy, pod.exit_code):
-            _finish(
-                result,
-                job,
-                views,
-                FAILED,
+            fail(
                 Reason.replica_failed(pod.rtype),
                 f"{pod.describe_exit()}; restartPolicy {policy.value} does not retry it",
-                now,
             )
             return None
         if status["restartCount"] >= backoff:
-            _finish(
-                result,
-                job,
-                views,
-                FAILED,
-                Reason.BACKOFF_LIMIT_EXCEEDED,
-                f"{pod.describe_exit()}; backoffLimit {backoff} restarts already used",
-                now,
-            )
+            fail(Reason.BACKOFF_LIMIT_EXCEEDED, f"{pod.describe_exit()}; backoffLimit {backoff} restarts already used")
             return None
         status["restartCount"] += 1
         result.restart.append(pod.name)
@@ -365,15 +356,7 @@ def _restart_failed(result: Plan, job: TrainingJob, views: list[PodView], now: d
             f"{pod.describe_exit()}; recreating it (restart {status['restartCount']} of {backoff})",
         )
     if status["restartCount"] > backoff:
-        _finish(
-            result,
-            job,
-            views,
-            FAILED,
-            Reason.BACKOFF_LIMIT_EXCEEDED,
-            f"{status['restartCount']} restarts exceed backoffLimit {backoff}",
-            now,
-        )
+        fail(Reason.BACKOFF_LIMIT_EXCEEDED, f"{status['restartCount']} restarts exceed backoffLimit {backoff}")
         return None
     return restarted
 
