@@ -42,6 +42,15 @@ class _Bound:
             return _PartiallyBound(metric, self.identity)
         return metric.labels(*self.identity.values())
 
+    def _counter(self, name: str, doc: str, extra_labels: tuple[str, ...] = ()):
+        return self._make(Counter, name, doc, extra_labels)
+
+    def _gauge(self, name: str, doc: str):
+        return self._make(Gauge, name, doc)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS):
+        return self._make(Histogram, name, doc, buckets=buckets)
+
     def serve(self, port: int, addr: str = "0.0.0.0"):
         return start_http_server(port, addr=addr, registry=self.registry)
 
@@ -57,82 +66,53 @@ class _PartiallyBound:
 class WorkerMetrics(_Bound):
     def __init__(self, identity: Identity, registry: CollectorRegistry | None = None):
         super().__init__(identity, registry)
-        self.steps = self._make(Counter, "tfps_worker_steps_total", "Training steps this worker completed")
-        self.examples = self._make(Counter, "tfps_worker_examples_total", "Examples this worker computed gradients on")
-        self.step_seconds = self._make(
-            Histogram,
-            "tfps_worker_step_seconds",
-            "Wall time of one step (pull, compute, push)",
-            buckets=_LATENCY_BUCKETS,
+        self.steps = self._counter("tfps_worker_steps_total", "Training steps this worker completed")
+        self.examples = self._counter("tfps_worker_examples_total", "Examples this worker computed gradients on")
+        self.step_seconds = self._histogram("tfps_worker_step_seconds", "Wall time of one step (pull, compute, push)")
+        self.push_seconds = self._histogram("tfps_worker_push_seconds", "Time to push gradients to all PS shards")
+        self.pull_seconds = self._histogram("tfps_worker_pull_seconds", "Time to pull parameters from all PS shards")
+        self.compute_seconds = self._histogram("tfps_worker_compute_seconds", "Time to compute gradients")
+        self.loss = self._gauge("tfps_worker_loss", "Training loss of the last batch")
+        self.retries = self._counter("tfps_worker_rpc_retries_total", "PS calls retried after an unavailable PS")
+        self.eval_accuracy = self._gauge(
+            "tfps_worker_eval_accuracy", "Test-split accuracy of the final parameters (worker 0, at the end)"
         )
-        self.push_seconds = self._make(
-            Histogram, "tfps_worker_push_seconds", "Time to push gradients to all PS shards", buckets=_LATENCY_BUCKETS
-        )
-        self.pull_seconds = self._make(
-            Histogram,
-            "tfps_worker_pull_seconds",
-            "Time to pull parameters from all PS shards",
-            buckets=_LATENCY_BUCKETS,
-        )
-        self.compute_seconds = self._make(
-            Histogram, "tfps_worker_compute_seconds", "Time to compute gradients", buckets=_LATENCY_BUCKETS
-        )
-        self.loss = self._make(Gauge, "tfps_worker_loss", "Training loss of the last batch")
-        self.retries = self._make(Counter, "tfps_worker_rpc_retries_total", "PS calls retried after an unavailable PS")
-        self.eval_accuracy = self._make(
-            Gauge, "tfps_worker_eval_accuracy", "Test-split accuracy of the final parameters (worker 0, at the end)"
-        )
-        self.eval_auc = self._make(
-            Gauge,
-            "tfps_worker_eval_auc",
-            "Test-split ROC AUC of the final parameters, binary models (worker 0, at the end)",
+        self.eval_auc = self._gauge(
+            "tfps_worker_eval_auc", "Test-split ROC AUC of the final parameters, binary models (worker 0, at the end)"
         )
 
 
 class PSMetrics(_Bound):
     def __init__(self, identity: Identity, registry: CollectorRegistry | None = None):
         super().__init__(identity, registry)
-        self.updates = self._make(Counter, "tfps_ps_updates_applied_total", "Optimizer updates applied to this shard")
-        self.apply_seconds = self._make(
-            Histogram, "tfps_ps_apply_seconds", "Time to apply one update to this shard", buckets=_LATENCY_BUCKETS
-        )
-        self.staleness = self._make(
-            Histogram,
+        self.updates = self._counter("tfps_ps_updates_applied_total", "Optimizer updates applied to this shard")
+        self.apply_seconds = self._histogram("tfps_ps_apply_seconds", "Time to apply one update to this shard")
+        self.staleness = self._histogram(
             "tfps_ps_gradient_staleness",
             "Versions between a gradient's parameters and the shard's when applied",
             buckets=_STALENESS_BUCKETS,
         )
-        self.bytes_in = self._make(Counter, "tfps_ps_received_bytes_total", "Bytes of gradients received")
-        self.bytes_out = self._make(Counter, "tfps_ps_sent_bytes_total", "Bytes of parameters sent")
-        self.version = self._make(
-            Gauge,
-            "tfps_ps_parameter_version",
-            "Version of this shard's parameters (updates applied since start of training)",
+        self.bytes_in = self._counter("tfps_ps_received_bytes_total", "Bytes of gradients received")
+        self.bytes_out = self._counter("tfps_ps_sent_bytes_total", "Bytes of parameters sent")
+        self.version = self._gauge(
+            "tfps_ps_parameter_version", "Version of this shard's parameters (updates applied since start of training)"
         )
-        self.global_step = self._make(Gauge, "tfps_ps_global_step", "Training step reached (the job's progress)")
-        self.loss = self._make(Gauge, "tfps_ps_loss", "Mean training loss reported with the last applied update")
-        self.examples = self._make(
-            Counter, "tfps_ps_examples_total", "Examples behind the gradients applied to this shard"
-        )
-        self.workers_live = self._make(Gauge, "tfps_ps_workers_live", "Workers that pushed or pulled recently")
-        self.rejected = self._make(
-            Counter,
+        self.global_step = self._gauge("tfps_ps_global_step", "Training step reached (the job's progress)")
+        self.loss = self._gauge("tfps_ps_loss", "Mean training loss reported with the last applied update")
+        self.examples = self._counter("tfps_ps_examples_total", "Examples behind the gradients applied to this shard")
+        self.workers_live = self._gauge("tfps_ps_workers_live", "Workers that pushed or pulled recently")
+        self.rejected = self._counter(
             "tfps_ps_rejected_requests_total",
             "Requests refused (malformed, unauthenticated, ...)",
             extra_labels=("reason",),
         )
-        self.checkpoints = self._make(Counter, "tfps_ps_checkpoints_total", "Checkpoints of this shard written")
-        self.checkpoint_step = self._make(
-            Gauge, "tfps_ps_checkpoint_step", "Step of the last checkpoint written or restored"
+        self.checkpoints = self._counter("tfps_ps_checkpoints_total", "Checkpoints of this shard written")
+        self.checkpoint_step = self._gauge("tfps_ps_checkpoint_step", "Step of the last checkpoint written or restored")
+        self.restored = self._counter("tfps_ps_restores_total", "Times this shard was restored from a checkpoint")
+        self.data_connections = self._gauge(
+            "tfps_ps_data_connections", "Workers connected to this shard's data path (Steps over gRPC do not count)"
         )
-        self.restored = self._make(Counter, "tfps_ps_restores_total", "Times this shard was restored from a checkpoint")
-        self.data_connections = self._make(
-            Gauge,
-            "tfps_ps_data_connections",
-            "Workers connected to this shard's data path (Steps over gRPC do not count)",
-        )
-        self.duplicates = self._make(
-            Counter,
+        self.duplicates = self._counter(
             "tfps_ps_duplicate_pushes_total",
             "Retried pushes already applied (their reply was lost), answered without applying them again",
         )
