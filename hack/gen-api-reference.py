@@ -10,6 +10,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import marked_block  # noqa: E402  (hack/marked_block.py, beside this file)
+
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "trainingjob.yaml"
 PAGE = REPO / "docs" / "reference" / "trainingjob.md"
@@ -94,20 +97,7 @@ def render() -> str:
 
 
 def main() -> int:
-    text = PAGE.read_text()
-    if START not in text or END not in text:
-        print(f"{PAGE.relative_to(REPO)} lacks the markers {START} ... {END}", file=sys.stderr)
-        return 1
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    new = head + render() + tail
-    if "--check" in sys.argv:
-        if new != text:
-            print(f"{PAGE.relative_to(REPO)} is stale: run hack/gen-api-reference.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(new)
-    return 0
+    return marked_block.write([PAGE], START, END, render(), REPO, "API reference", "hack/gen-api-reference.py")
 
 
 if __name__ == "__main__":

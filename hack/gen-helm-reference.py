@@ -17,6 +17,9 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import marked_block  # noqa: E402  (hack/marked_block.py, beside this file)
+
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "tfps"
 SCHEMA = CHART / "values.schema.json"
@@ -157,26 +160,7 @@ def render() -> str:
 
 
 def main() -> int:
-    new_block = render()
-    stale = []
-    for page in PAGES:
-        text = page.read_text()
-        if START not in text or END not in text:
-            print(f"{page.relative_to(REPO)} lacks the markers {START} ... {END}", file=sys.stderr)
-            return 1
-        head, rest = text.split(START, 1)
-        _, tail = rest.split(END, 1)
-        new = head + new_block + tail
-        if new == text:
-            continue
-        if "--check" in sys.argv:
-            stale.append(str(page.relative_to(REPO)))
-        else:
-            page.write_text(new)
-    if stale:
-        print(f"stale Helm values reference in {', '.join(stale)}: run hack/gen-helm-reference.py", file=sys.stderr)
-        return 1
-    return 0
+    return marked_block.write(PAGES, START, END, render(), REPO, "Helm values reference", "hack/gen-helm-reference.py")
 
 
 if __name__ == "__main__":
