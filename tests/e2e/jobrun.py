@@ -22,7 +22,7 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, manifest_for
 
 LABEL_JOB, LABEL_TYPE, LABEL_INDEX = "tfps.io/job-name", "tfps.io/replica-type", "tfps.io/replica-index"
 REPO = Path(__file__).resolve().parents[2]
@@ -88,11 +88,9 @@ def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env:
             "containers": [ps_container],
         }
     }
-    return {
-        "apiVersion": f"{API_GROUP}/{API_VERSION}",
-        "kind": "TrainingJob",
-        "metadata": {"name": name},
-        "spec": {
+    return manifest_for(
+        name,
+        {
             "replicaSpecs": {
                 "PS": {"replicas": 2, "restartPolicy": "OnFailure", "template": ps_template},
                 "Worker": {"replicas": 2, "restartPolicy": "OnFailure"},
@@ -109,7 +107,7 @@ def manifest(name: str, checkpoint_dir: Path, *, steps: int, every: int, ps_env:
             },
             "runPolicy": {"backoffLimit": 4, "activeDeadlineSeconds": 900, "cleanPodPolicy": "None"},
         },
-    }
+    )
 
 
 def job_processes(namespace: str, job: str) -> dict[tuple[str, int], list[int]]:

@@ -20,7 +20,7 @@ from jobrun import install_chart
 from kubernetes import client
 from support import wait_for
 
-from tfps.api.spec import API_GROUP, API_VERSION, PLURAL
+from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, manifest_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -32,11 +32,9 @@ def _job(name: str) -> dict:
     """A job that keeps training while the tests look at it (async, many steps)."""
     small = {"requests": {"cpu": "100m", "memory": "256Mi"}}
     ps_resources = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": PS_CPU_LIMIT, "memory": "1Gi"}}
-    return {
-        "apiVersion": f"{API_GROUP}/{API_VERSION}",
-        "kind": "TrainingJob",
-        "metadata": {"name": name},
-        "spec": {
+    return manifest_for(
+        name,
+        {
             "replicaSpecs": {
                 "PS": {
                     "replicas": 1,
@@ -56,7 +54,7 @@ def _job(name: str) -> dict:
             },
             "runPolicy": {"activeDeadlineSeconds": 900},
         },
-    }
+    )
 
 
 def _probe_pod(name: str, labels: dict) -> dict:

@@ -4,12 +4,10 @@ test split's ROC AUC next to its accuracy. The data's own AUC (the generator's t
 0.91 and a model that learned nothing scores 0.5, so the bound sits between the two. (On the cluster
 the same example runs in tests/e2e/test_helm_examples.py, its AUC in status.progress.auc.)"""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import tfps_local
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -18,14 +16,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "wide-deep.yaml"
 
 
 def test_wide_deep_reaches_the_stated_auc_and_reports_it():
-    out = subprocess.run(
-        [sys.executable, "-m", "tfps.cli.main", "local", str(EXAMPLE), "--json", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = tfps_local(EXAMPLE, timeout=240)
     assert result["phase"] == "Succeeded" and result["steps"] == 600
     assert result["auc"] >= AUC_AT_LEAST, result
     assert 0.5 < result["accuracy"] < 1.0, result

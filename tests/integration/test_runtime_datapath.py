@@ -9,7 +9,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from support import wait_for
+from support import lone_shard, wait_for
 
 from tfps.api.naming import ENV_DATA_PATH
 from tfps.api.spec import TrainingSpec
@@ -17,9 +17,8 @@ from tfps.runtime import wire
 from tfps.runtime.auth import Material, ServerSecurity
 from tfps.runtime.datapath import FRAME, DataConnection, DataPathError, hello_body
 from tfps.runtime.inprocess import InProcessCluster
-from tfps.runtime.metrics import Identity, PSMetrics, WorkerMetrics
-from tfps.runtime.ps import Shard, serve
-from tfps.runtime.sharding import place
+from tfps.runtime.metrics import Identity, WorkerMetrics
+from tfps.runtime.ps import serve
 from tfps.runtime.worker import Worker
 
 pytestmark = pytest.mark.integration
@@ -84,14 +83,7 @@ def test_a_worker_told_not_to_uses_grpc(cluster, monkeypatch):
 
 def test_a_ps_without_a_data_port_is_reached_over_grpc():
     model = InProcessCluster(TRAINING).model()
-    shard = Shard(
-        place(model.params, 1).for_ps(0),
-        {p.name: p for p in model.params},
-        TRAINING,
-        1,
-        0,
-        PSMetrics(Identity("inprocess", "default", "ps", 0)),
-    )
+    shard = lone_shard(model.params, TRAINING, job="inprocess")
     server, port = serve(shard, "127.0.0.1:0", data_port=None)
     try:
         worker = Worker(
@@ -107,12 +99,16 @@ def test_a_ps_without_a_data_port_is_reached_over_grpc():
         shard.close()
 
 
+def _reply(sock: socket.socket) -> wire.Message:
+    size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
+    return wire.decode(sock.recv(size, socket.MSG_WAITALL))
+
+
 def _hello(port: int, token: bytes | None = None) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     payload = hello_body(token)
     sock.sendall(FRAME.pack(len(payload)) + payload)
-    size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
-    assert wire.decode(sock.recv(size, socket.MSG_WAITALL)).meta == {"hello": "ok"}
+    assert _reply(sock).meta == {"hello": "ok"}
     return sock
 
 
@@ -131,8 +127,7 @@ def test_a_frame_over_the_limit_is_refused_and_the_ps_goes_on(cluster):
     count = _sample(shard, "tfps_ps_rejected_requests_total", reason="oversize")
     with _hello(cluster.servers[0].data_port) as sock:
         sock.sendall(FRAME.pack(1 << 40))  # claims a TiB: refused before any of it is read
-        size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
-        reply = wire.decode(sock.recv(size, socket.MSG_WAITALL))
+        reply = _reply(sock)
         assert reply.meta["error"]["code"] == "INVALID_ARGUMENT" and reply.meta["error"]["reason"] == "oversize"
         assert _closed_by_peer(sock)
     assert _sample(shard, "tfps_ps_rejected_requests_total", reason="oversize") == count + 1
@@ -165,14 +160,7 @@ def test_a_frame_cut_short_is_counted_and_changes_nothing(cluster):
 
 def test_the_data_port_admits_only_the_jobs_token():
     model = InProcessCluster(TRAINING).model()
-    shard = Shard(
-        place(model.params, 1).for_ps(0),
-        {p.name: p for p in model.params},
-        TRAINING,
-        1,
-        0,
-        PSMetrics(Identity("inprocess", "default", "ps", 0)),
-    )
+    shard = lone_shard(model.params, TRAINING, job="inprocess")
     server, _ = serve(shard, "127.0.0.1:0", security=ServerSecurity(Material(b"the-job-token")))
     try:
         for wrong in (Material(b"another-token"), None):
@@ -187,11 +175,6 @@ def test_the_data_port_admits_only_the_jobs_token():
     finally:
         server.stop(None)
         shard.close()
-
-
-def _reply(sock: socket.socket) -> wire.Message:
-    size = FRAME.unpack(sock.recv(FRAME.size, socket.MSG_WAITALL))[0]
-    return wire.decode(sock.recv(size, socket.MSG_WAITALL))
 
 
 def test_a_frame_that_comes_in_pieces_is_read_whole_and_a_silent_connection_is_closed(cluster, monkeypatch):

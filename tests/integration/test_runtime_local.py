@@ -6,12 +6,10 @@
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from support import sample, scrape
+from support import sample, scrape, tfps_local
 
 from tfps.api.spec import load_manifest
 from tfps.runtime.local import Fault, LocalRun
@@ -23,14 +21,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 
 @pytest.fixture(scope="module")
 def undisturbed():
-    out = subprocess.run(
-        [sys.executable, "-m", "tfps.cli.main", "local", str(EXAMPLE), "--json", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return tfps_local(EXAMPLE, timeout=600)
 
 
 def test_digits_example_reaches_95_percent(undisturbed):

@@ -3,15 +3,12 @@
 checkpoint; 3 PS shards then start from it, and every parameter and every Adam moment they hold,
 put back together, equals what the 2 PS wrote. Training then goes on from that step on 3 PS."""
 
-import json
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import yaml
+from support import tfps_local
 
-from tfps.api.spec import TrainingSpec
+from tfps.api.spec import TrainingSpec, manifest_for
 from tfps.runtime import checkpoint
 from tfps.runtime.inprocess import InProcessCluster
 from tfps.runtime.sharding import place
@@ -52,29 +49,14 @@ def _whole(parts_of, tensors_of, model) -> dict[str, np.ndarray]:
 
 def test_a_2_ps_checkpoint_restores_into_3_ps(tmp_path):
     root = tmp_path / "checkpoints"
-    manifest = {
-        "apiVersion": "tfps.io/v1alpha1",
-        "kind": "TrainingJob",
-        "metadata": {"name": "reshard"},
-        "spec": {
-            "replicaSpecs": {
-                "PS": {"replicas": 2, "restartPolicy": "Never"},
-                "Worker": {"replicas": 1, "restartPolicy": "Never"},
-            },
-            "training": {**TRAINING, "checkpoint": {"path": str(root), "everySteps": 1000}},
-            "runPolicy": {"backoffLimit": 0},
-        },
-    }
+    replicas = {"PS": {"replicas": 2, "restartPolicy": "Never"}, "Worker": {"replicas": 1, "restartPolicy": "Never"}}
+    training = {**TRAINING, "checkpoint": {"path": str(root), "everySteps": 1000}}
+    manifest = manifest_for(
+        "reshard", {"replicaSpecs": replicas, "training": training, "runPolicy": {"backoffLimit": 0}}
+    )
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(manifest))
-    out = subprocess.run(
-        [sys.executable, "-m", "tfps.cli.main", "local", str(path), "--json", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == STEPS
+    assert tfps_local(path, timeout=240)["steps"] == STEPS
 
     training = TrainingSpec.model_validate({**TRAINING, "steps": STEPS + 20})
     with InProcessCluster(training, num_ps=3, num_workers=1, checkpoint_root=str(root)) as cluster:

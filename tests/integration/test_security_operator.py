@@ -14,12 +14,11 @@ object the API server stored, not packets being dropped.
 from __future__ import annotations
 
 import base64
-import json
 
 import pytest
 from conftest import job_manifest
 from kubernetes.client.rest import ApiException
-from support import wait_for
+from support import serving_records, tls_training, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -106,33 +105,12 @@ def test_two_jobs_get_different_tokens(tfps_operator):
 
 def test_tls_training_job_succeeds_on_the_node(tfps_operator):
     op, ns = tfps_operator, tfps_operator.namespace
-    training = {
-        "model": "digits-mlp",
-        "modelArgs": {"hidden": [32]},
-        "steps": 40,
-        "batchSize": 32,
-        "optimizer": {"name": "adam", "learningRate": 0.01},
-        "tls": True,
-    }
-    op.create(
-        job_manifest(
-            "tls",
-            ps=1,
-            workers=1,
-            template={},
-            training=training,
-            run_policy={"activeDeadlineSeconds": 240, "cleanPodPolicy": "None"},
-        )
-    )
+    run_policy = {"activeDeadlineSeconds": 240, "cleanPodPolicy": "None"}
+    op.create(job_manifest("tls", ps=1, workers=1, template={}, training=tls_training(40), run_policy=run_policy))
     status = op.wait_phase("tls", "Succeeded", timeout=240)
     assert status["phase"] == "Succeeded"
-    serving = [
-        json.loads(ln)
-        for ln in op.cluster.pod_log(ns, "tls-ps-0").splitlines()
-        if ln.startswith("{") and '"serving"' in ln
-    ]
-    assert serving and serving[0]["tls"] is True and serving[0]["auth"] is True, op.cluster.pod_log(ns, "tls-ps-0")[
-        -2000:
-    ]
+    log = op.cluster.pod_log(ns, "tls-ps-0")
+    serving = serving_records(log)
+    assert serving and serving[0]["tls"] is True and serving[0]["auth"] is True, log[-2000:]
     # The worker dialled the PS by its pod DNS name (what the certificate names).
     assert f"tls-ps-0.tls.{ns}.svc:2222" in op.cluster.pod_log(ns, "tls-worker-0")

@@ -21,10 +21,10 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import sample, scrape, wait_for
+from support import sample, scrape, serving_records, tls_training, wait_for
 
 from tfps.api.naming import ENV_AUTH_TOKEN_FILE
-from tfps.api.spec import TrainingJob, TrainingSpec
+from tfps.api.spec import TrainingJob, TrainingSpec, manifest_for
 from tfps.runtime import auth, pki, wire
 from tfps.runtime.auth import ClientSecurity, Material
 from tfps.runtime.client import CLIENT_OPTIONS, ShardClient
@@ -212,35 +212,15 @@ def test_tls_refuses_plaintext_and_other_cas(tls_ps, tmp_path):
 
 
 def test_tls_training_run_succeeds_end_to_end(tmp_path):
-    job = TrainingJob.model_validate(
-        {
-            "apiVersion": "tfps.io/v1alpha1",
-            "kind": "TrainingJob",
-            "metadata": {"name": "tls"},
-            "spec": {
-                "replicaSpecs": {"PS": {"replicas": 2}, "Worker": {"replicas": 2}},
-                "training": {
-                    "model": "digits-mlp",
-                    "modelArgs": {"hidden": [32]},
-                    "steps": 60,
-                    "batchSize": 32,
-                    "optimizer": {"name": "adam", "learningRate": 0.01},
-                    "tls": True,
-                },
-                "runPolicy": {"activeDeadlineSeconds": 240},
-            },
-        }
-    )
+    replicas = {"PS": {"replicas": 2}, "Worker": {"replicas": 2}}
+    spec = {"replicaSpecs": replicas, "training": tls_training(60), "runPolicy": {"activeDeadlineSeconds": 240}}
+    job = TrainingJob.model_validate(manifest_for("tls", spec))
     run = LocalRun(job, workdir=tmp_path, keep_workdir=True)
     result = run.run()
     assert result["succeeded"], result.get("logs")
     assert result["steps"] == 60
     assert result["accuracy"] > 0.5
     for name in ("ps-0", "ps-1"):
-        serving = [
-            json.loads(ln)
-            for ln in (tmp_path / f"{name}.log").read_text().splitlines()
-            if ln.startswith("{") and '"serving"' in ln
-        ]
+        serving = serving_records((tmp_path / f"{name}.log").read_text())
         assert serving and serving[0]["tls"] is True and serving[0]["auth"] is True
     assert TrainingSpec.model_validate(job.spec.training.to_manifest()).tls is True

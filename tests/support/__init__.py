@@ -1,6 +1,6 @@
 """What tests share: waiting for an event, reading Prometheus metrics, loading hack/ scripts,
 saying where a namespace's pods are when a test fails, glibc's heap accounting in a child
-process.
+process, running `tfps local`, a lone PS shard, a TLS job and the PS's `serving` log records.
 
 Importable as `support` (pytest puts tests/ on sys.path for tests/conftest.py). A test waits
 for the event that proves the behaviour with `wait_for`, never sleeps and then asserts that
@@ -10,6 +10,8 @@ nothing happened.
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
 import sys
 import time
 import urllib.request
@@ -106,3 +108,64 @@ def pods_state(api, namespace: str) -> list[str]:
             + (f", {others}" if others else "")
         )
     return lines
+
+
+def tfps_local(manifest: str | Path, timeout: float) -> dict:
+    """`tfps local --json` run on a manifest file: its result, after it exited 0."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tfps.cli.main", "local", str(manifest), "--json", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def lone_shard(
+    params, training, index: int = 0, num_ps: int | None = None, workers: int = 1, job: str = "t", **options
+):
+    """PS `index`'s Shard of `params` (as placed over `num_ps` PS, default one), outside any
+    cluster, its metrics in a registry of its own unless `options` names one (`registry`); the
+    other `options` are Shard's (checkpoint_root, ...)."""
+    from tfps.runtime.metrics import Identity, PSMetrics
+    from tfps.runtime.ps import Shard
+    from tfps.runtime.sharding import place
+
+    metrics = PSMetrics(Identity(job, "default", "ps", index), options.pop("registry", None))
+    parts = place(params, num_ps or 1).for_ps(index)
+    return Shard(parts, {p.name: p for p in params}, training, workers, index, metrics, num_ps=num_ps, **options)
+
+
+def async_training(model: str, model_args: dict, optimizer: str = "sgd", learning_rate: float = 0.01, **fields):
+    """An async TrainingSpec of a built-in model; `fields`: more of spec.training, by their
+    manifest names (batchSize, steps, checkpoint, ...)."""
+    from tfps.api.spec import TrainingSpec
+
+    optimizer_spec = {"name": optimizer, "learningRate": learning_rate}
+    return TrainingSpec.model_validate(
+        {
+            "model": model,
+            "modelArgs": model_args,
+            "optimizer": optimizer_spec,
+            "consistency": {"mode": "async"},
+            **fields,
+        }
+    )
+
+
+def tls_training(steps: int) -> dict:
+    """spec.training of the small job with TLS on that the security tests train, locally and on the node."""
+    return {
+        "model": "digits-mlp",
+        "modelArgs": {"hidden": [32]},
+        "steps": steps,
+        "batchSize": 32,
+        "optimizer": {"name": "adam", "learningRate": 0.01},
+        "tls": True,
+    }
+
+
+def serving_records(log: str) -> list[dict]:
+    """The JSON records of a PS's log that say what it serves (TLS, authentication)."""
+    return [json.loads(line) for line in log.splitlines() if line.startswith("{") and '"serving"' in line]

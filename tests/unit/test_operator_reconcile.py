@@ -266,19 +266,19 @@ def test_unreadable_termination_message_leaves_progress_alone(message):
     assert not p.status.get("progress")
 
 
+def _not_scheduled(reason: str, message: str) -> list[dict]:
+    """A pending pod's conditions as the scheduler leaves them when it cannot place the pod."""
+    return [{"type": "PodScheduled", "status": "False", "reason": reason, "message": message}]
+
+
 def test_pods_a_queue_has_not_admitted_are_explained_as_waiting_for_it():
     body = _body(runPolicy={"schedulingPolicy": {"queue": "team-a"}})
     _settle(body, [])
     pods = _pods(body, phase="Pending")
     for pod in pods:  # Kueue gates every pod of the group until its Workload is admitted
-        pod["status"]["conditions"] = [
-            {
-                "type": "PodScheduled",
-                "status": "False",
-                "reason": "SchedulingGated",
-                "message": "Scheduling is blocked due to non-empty scheduling gates",
-            }
-        ]
+        pod["status"]["conditions"] = _not_scheduled(
+            "SchedulingGated", "Scheduling is blocked due to non-empty scheduling gates"
+        )
     p = _settle(body, pods)
     running = next(c for c in p.status["conditions"] if c["type"] == "Running")
     assert p.status["phase"] == "Pending" and running["status"] == "False" and running["reason"] == "SchedulingGated"
@@ -293,14 +293,9 @@ def test_unschedulable_pod_is_explained_not_silently_pending():
     pods = _pods(body, phase="Pending")
     for pod in pods:
         if pod["metadata"]["name"] == "j-worker-3":
-            pod["status"]["conditions"] = [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "message": "0/1 nodes are available: 1 Insufficient nvidia.com/gpu.",
-                }
-            ]
+            pod["status"]["conditions"] = _not_scheduled(
+                "Unschedulable", "0/1 nodes are available: 1 Insufficient nvidia.com/gpu."
+            )
     p = _settle(body, pods)
     assert p.status["phase"] == "Pending"
     running = next(c for c in p.status["conditions"] if c["type"] == "Running")

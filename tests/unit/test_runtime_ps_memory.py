@@ -9,43 +9,21 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from support import async_training, lone_shard
 
 from tfps.api.spec import TrainingSpec
 from tfps.runtime import _rows as kernels
 from tfps.runtime import checkpoint, wire
 from tfps.runtime.checkpoint import RowSnapshot, load_rows
-from tfps.runtime.metrics import Identity, PSMetrics
 from tfps.runtime.models import INIT_BLOCK_ROWS, Param, load_model
-from tfps.runtime.ps import Shard
-from tfps.runtime.sharding import place
 
 ARGS = {"vocabSize": 4_000, "fields": 4, "embeddingDim": 8, "hidden": [8], "samples": 256, "testSamples": 0}
 
 
 def _shard(tmp_path, optimizer="adam", index=0):
-    training = TrainingSpec.model_validate(
-        {
-            "model": "wide-deep",
-            "modelArgs": ARGS,
-            "optimizer": {"name": optimizer, "learningRate": 0.01},
-            "batchSize": 32,
-            "steps": 1000,
-            "consistency": {"mode": "async"},
-            "checkpoint": {"everySteps": 10**6},
-        }
-    )
+    training = async_training("wide-deep", ARGS, optimizer, batchSize=32, steps=1000, checkpoint={"everySteps": 10**6})
     model = load_model("wide-deep", ARGS, 0)
-    parts = place(model.params, 2).for_ps(index)
-    return Shard(
-        parts,
-        {p.name: p for p in model.params},
-        training,
-        1,
-        index,
-        PSMetrics(Identity("t", "default", "ps", index)),
-        checkpoint_root=str(tmp_path),
-        num_ps=2,
-    )
+    return lone_shard(model.params, training, index, num_ps=2, checkpoint_root=str(tmp_path))
 
 
 def _push(shard, rng):
@@ -204,14 +182,7 @@ def test_a_scalar_parameter_stays_a_scalar(tmp_path):
     training = TrainingSpec.model_validate(
         {"optimizer": {"name": "adam", "learningRate": 0.1}, "steps": 10, "consistency": {"mode": "async"}}
     )
-    shard = Shard(
-        place(params, 1).for_ps(0),
-        {p.name: p for p in params},
-        training,
-        1,
-        0,
-        PSMetrics(Identity("t", "default", "ps", 0)),
-    )
+    shard = lone_shard(params, training)
     assert shard.vars["bias"].shape == () and shard.slots["bias"]["m"].shape == ()
     new, slots = shard.optimizer.apply_dense(shard.vars["bias"], shard.slots["bias"], np.float32(1.0).reshape(()), 1)
     assert new.shape == () and slots["m"].shape == () and float(new) < float(shard.vars["bias"])

@@ -6,10 +6,9 @@ Shards from the same parameters, one with the C call turned off, given the same 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from support import async_training, lone_shard
 
-from tfps.api.spec import TrainingSpec
 from tfps.runtime import _rows, ps, wire
-from tfps.runtime.metrics import Identity, PSMetrics
 from tfps.runtime.models import load_model
 from tfps.runtime.ps import Rejected, Shard
 from tfps.runtime.sharding import place, route_rows
@@ -20,26 +19,9 @@ PLAN = place(MODEL.params, 2)
 
 
 def _shard(ps_index: int, optimizer: str, one_call: bool) -> tuple[Shard, CollectorRegistry]:
-    training = TrainingSpec.model_validate(
-        {
-            "model": "wide-deep",
-            "modelArgs": ARGS,
-            "optimizer": {"name": optimizer, "learningRate": 0.01},
-            "batchSize": 32,
-            "steps": 1000,
-            "consistency": {"mode": "async"},
-        }
-    )
+    training = async_training("wide-deep", ARGS, optimizer, batchSize=32, steps=1000)
     registry = CollectorRegistry()
-    shard = Shard(
-        PLAN.for_ps(ps_index),
-        {p.name: p for p in MODEL.params},
-        training,
-        2,
-        ps_index,
-        PSMetrics(Identity("t", "default", "ps", ps_index), registry),
-        num_ps=2,
-    )
+    shard = lone_shard(MODEL.params, training, ps_index, num_ps=2, workers=2, registry=registry)
     shard._async_in_c = shard._async_in_c and one_call
     shard.incarnation = "same"  # else a random token each, in every reply
     return shard, registry

@@ -6,13 +6,12 @@ import threading
 
 import numpy as np
 import pytest
+from support import lone_shard
 
 from tfps.api.spec import TrainingSpec
 from tfps.runtime import ps, wire
-from tfps.runtime.metrics import Identity, PSMetrics
 from tfps.runtime.models import load_model
 from tfps.runtime.ps import Shard
-from tfps.runtime.sharding import place
 
 ARGS = {"inputDim": 16, "hidden": [8], "samples": 64, "testSamples": 0}
 LR = 0.5
@@ -30,15 +29,7 @@ def _shard(workers: int) -> Shard:
             "checkpoint": {"everySteps": 10**6},
         }
     )
-    model = load_model("mlp", ARGS, 0)
-    return Shard(
-        place(model.params, 1).for_ps(0),
-        {p.name: p for p in model.params},
-        training,
-        workers,
-        0,
-        PSMetrics(Identity("t", "default", "ps", 0)),
-    )
+    return lone_shard(load_model("mlp", ARGS, 0).params, training, workers=workers)
 
 
 def _gradients(shard: Shard, seed: int) -> dict[str, np.ndarray]:
