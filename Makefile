@@ -6,12 +6,12 @@ export TFPS_CACHE ?= $(HOME)/.cache/tfps
 # The repository's operator/ folder (package tfps.operator) would shadow the standard library's
 # `operator` for `python -m`/`-c` run from the repository root: keep the cwd off sys.path.
 export PYTHONSAFEPATH := 1
-# pip builds the PS's C update kernels (runtime/_rows.c) into the editable install: a change of them reinstalls.
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml runtime/_rows.c | sha1sum | cut -c1-12)
+# pip builds the PS's C kernels (runtime/*.c, runtime/*.h) into the editable install: a change of them reinstalls.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(sort $(wildcard runtime/*.c runtime/*.h)) | sha1sum | cut -c1-12)
 
-.PHONY: test unit integration e2e reliability demo venv cluster-tools system-deps lint bench clean-cluster images
+.PHONY: test unit integration e2e reliability demo venv cluster-tools system-deps lint bench clean-cluster images fuzz
 
-$(STAMP): pyproject.toml runtime/_rows.c
+$(STAMP): pyproject.toml $(wildcard runtime/*.c runtime/*.h)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[all]'
@@ -61,6 +61,13 @@ demo: system-deps
 
 bench: venv
 	$(VENV)/bin/tfps bench
+
+# The fuzz targets of the PS's request path (tests/fuzz/), each FUZZ_SECONDS on the sanitized
+# builds of its C kernels (hack/build-sanitized.sh: UBSan, then ASan+UBSan): any crash, sanitizer
+# report or unexpected exception fails. `make fuzz FUZZ_SECONDS=600` for a long run.
+FUZZ_SECONDS ?= 30
+fuzz: venv
+	$(PY) tests/fuzz/run.py --seconds $(FUZZ_SECONDS)
 
 # ruff (format, then pyflakes, line length, bugbear, complexity, imports, pyupgrade, simplify:
 # pyproject.toml), mypy on the API and the operator, the docs site built strictly (a broken link

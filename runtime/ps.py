@@ -393,6 +393,23 @@ class Shard:
                 self._close_sync_step()
         return False
 
+    def _seen(self, worker: int) -> tuple[int, float | None]:
+        """Count `worker` as live (and as one of the cluster's, after a scale-up) for a request it
+        sent; what `_unseen` needs to take that back."""
+        c = self.consistency
+        before = (c.num_workers, c.last_seen[worker] if worker < len(c.last_seen) else None)
+        c.seen(worker)
+        return before
+
+    def _unseen(self, worker: int, before: tuple[int, float | None]) -> None:
+        """Undo `_seen` for a request refused after all: a refused request leaves the workers the
+        shard counts (and so the slices it tells workers to cut a batch into) as they were."""
+        c = self.consistency
+        num_workers, c.last_seen[worker] = before
+        if c.num_workers > num_workers:
+            del c.clocks[num_workers:], c.last_seen[num_workers:]
+            c.num_workers = num_workers
+
     def _reply_meta(self, version: int, clock: int, stale: bool = False, pending: bool = False) -> dict:
         """A Step reply's meta, at `version` of this shard and the worker's `clock`."""
         return {
@@ -457,16 +474,20 @@ class Shard:
             raise Rejected(err.reason, str(err)) from None
         self._count(self.metrics.bytes_in, len(data))
         with self.cond:
-            self.consistency.seen(req.worker)
-            if self._takes_async_in_c(req, encoding):
-                out, nbytes = self._apply_async_in_c(req)
-                self._count(self.metrics.bytes_out, nbytes)
-                return out
+            seen_before = self._seen(req.worker)
             try:
-                target, stale = self._accept(req)
-                pending = req.pull and not stale and self._wait(req, target)
-            finally:
-                self.consistency.keep(req.worker)  # a sync push the step has not taken outlives its request's buffer
+                if self._takes_async_in_c(req, encoding):
+                    out, nbytes = self._apply_async_in_c(req)
+                    self._count(self.metrics.bytes_out, nbytes)
+                    return out
+                try:
+                    target, stale = self._accept(req)
+                    pending = req.pull and not stale and self._wait(req, target)
+                finally:  # a sync push the step has not taken outlives its request's buffer
+                    self.consistency.keep(req.worker)
+            except Rejected:  # a NaN or an Inf found by the update's own pass: nothing changed, the worker neither
+                self._unseen(req.worker, seen_before)
+                raise
             # In sync mode every worker gets the same reply for a version: encode it once.
             shared = (
                 self.mode is ConsistencyMode.SYNC and req.pull and req.want_dense and not (stale or pending or req.rows)
