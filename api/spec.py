@@ -109,6 +109,62 @@ class CheckpointSpec(_Model):
     every_steps: int | None = Field(None, ge=1)  # also, when set: whichever is due first
 
 
+class DataFormat(StrEnum):
+    TFRECORD = "tfrecord"
+    PARQUET = "parquet"
+    CSV = "csv"
+
+
+class BadRecordPolicy(StrEnum):
+    SKIP = "skip"  # dropped and counted (tfps_worker_bad_records_total)
+    FAIL = "fail"  # the worker fails, naming the file
+
+
+# Per format, the compressions its reader takes (Parquet's own is inside the file).
+COMPRESSIONS = {DataFormat.TFRECORD: ("GZIP", "ZLIB"), DataFormat.CSV: ("gzip",), DataFormat.PARQUET: ()}
+FEATURE_DTYPES = ("float32", "float64", "int32", "int64", "string")
+
+
+class DataSource(_Model):
+    files: str = Field(min_length=1)  # a glob, on a volume every worker mounts
+    format: DataFormat
+    compression: str | None = None
+
+    @model_validator(mode="after")
+    def _known_compression(self) -> DataSource:
+        allowed = COMPRESSIONS[self.format]
+        if self.compression is not None and self.compression not in allowed:
+            raise ValueError(
+                f"compression {self.compression!r}: {self.format.value} takes "
+                + (", ".join(allowed) if allowed else "none (Parquet's compression is inside the file)")
+            )
+        return self
+
+
+class FeatureSpec(_Model):
+    dtype: str
+    shape: list[int] = Field(default_factory=list)  # per example; [] is a scalar
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, dtype: str) -> str:
+        if dtype not in FEATURE_DTYPES:
+            raise ValueError(f"must be one of {', '.join(FEATURE_DTYPES)}")
+        return dtype
+
+
+class DataSpec(_Model):
+    """Training (and evaluation) examples read from files by the workers (runtime/filedata.py)."""
+
+    train: DataSource
+    eval: DataSource | None = None
+    label: str = Field(min_length=1)
+    features: dict[str, FeatureSpec] | None = None  # default: the model's inputs
+    shuffle_buffer: int = Field(10_000, ge=0)
+    epochs: int | None = Field(None, ge=1)  # default: repeat until training.steps
+    on_bad_record: BadRecordPolicy = BadRecordPolicy.FAIL
+
+
 class TrainingSpec(_Model):
     model: str = "digits-mlp"  # BUILT_IN_MODELS or `package.module:function`, checked at admission too
     model_args: dict[str, Any] = Field(default_factory=dict)
@@ -121,6 +177,7 @@ class TrainingSpec(_Model):
     export_path: str | None = None  # SavedModel of the final parameters, written on success
     tls: bool = False  # workers reach the PS over TLS with the job's certificate (runtime/auth.py)
     wire_dtype: WireDtype = WireDtype.FLOAT32  # dense tensors on the wire; the PS keeps float32
+    data: DataSpec | None = None  # examples from files, in place of the model's data()
 
     @field_validator("model")
     @classmethod

@@ -73,6 +73,14 @@ class WorkerMetrics(_Bound):
         self.pull_seconds = self._histogram("tfps_worker_pull_seconds", "Time to pull parameters from all PS shards")
         self.compute_seconds = self._histogram("tfps_worker_compute_seconds", "Time to compute gradients")
         self.loss = self._gauge("tfps_worker_loss", "Training loss of the last batch")
+        self.input_wait_seconds = self._histogram(
+            "tfps_worker_input_wait_seconds",
+            "Time the training loop waited for its next batch from training.data's files",
+        )
+        self.bad_records = self._counter(
+            "tfps_worker_bad_records_total",
+            "Records of training.data's files skipped as unreadable (onBadRecord: skip)",
+        )
         self.retries = self._counter("tfps_worker_rpc_retries_total", "PS calls retried after an unavailable PS")
         self.eval_accuracy = self._gauge(
             "tfps_worker_eval_accuracy", "Test-split accuracy of the final parameters (worker 0, at the end)"

@@ -5,7 +5,8 @@ marked `sparse`), a pure `forward(params, features) -> logits` written with Tens
 and a `data()` callable returning the train and (optional) test splits as numpy arrays.
 PS processes only read `params`; workers also call `forward` and `data`.
 
-A user model is `function(model_args: dict, seed: int) -> ModelDef`.
+A user model is `function(model_args: dict, seed: int) -> ModelDef`, or a Keras model (built,
+not trained), which runtime/keras_model.py turns into a ModelDef.
 
 Sparse parameters are looked up with `tf.gather(params[name], features[feature])`: the
 worker pulls only the rows a batch touches and hands `forward` those rows with the id
@@ -16,6 +17,12 @@ export (whole tables).
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,9 +40,11 @@ SKIP_ROWS = 1 << 10
 class Param:
     name: str
     shape: tuple[int, ...]
-    init: str = "glorot"  # "glorot" | "zeros" | "normal:<stddev>"
+    init: str = "glorot"  # "glorot" | "zeros" | "normal:<stddev>" | "given" (`value`)
     sparse: bool = False  # an embedding table: pulled and updated by rows
     feature: str | None = None  # sparse only: the feature holding its ids
+    # init "given": the initial value itself (a Keras model's own initialised weights)
+    value: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -49,6 +58,10 @@ class Param:
         """Rows [start, stop) of the initial value, drawn block by block (INIT_BLOCK_ROWS rows,
         each block from its own seed), so a PS makes only its own rows of a large table, and
         the values do not depend on how the rows are split over PS."""
+        if self.init == "given":
+            if self.value is None or tuple(self.value.shape) != tuple(self.shape):
+                raise ValueError(f"parameter {self.name}: init 'given' needs a value of shape {self.shape}")
+            return np.array(self.value[start:stop] if self.shape else self.value, np.float32)
         if not self.shape:
             return self._draw(np.random.default_rng([seed, zlib.crc32(self.name.encode())]), ())
         first, last = start // INIT_BLOCK_ROWS, -(-stop // INIT_BLOCK_ROWS)
@@ -98,17 +111,34 @@ class Dataset:
 
 
 def _take(array: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    if array.dtype.hasobject:  # strings (Python objects) go to TensorFlow as tf.string, copied anyway
+        return np.take(array, idx, axis=0)
     return np.take(array, idx, axis=0, out=wire.aligned_array((len(idx), *array.shape[1:]), array.dtype))
+
+
+def _no_data() -> tuple[Dataset, Dataset | None]:
+    raise ValueError("this model has no data() of its own: set spec.training.data")
 
 
 @dataclass
 class ModelDef:
     params: list[Param]
     forward: Callable[[dict, dict], Any]  # (params, features) -> logits, TensorFlow ops
-    data: Callable[[], tuple[Dataset, Dataset | None]]
+    data: Callable[[], tuple[Dataset, Dataset | None]] = _no_data
     loss: str = "softmax"  # "softmax" (integer labels) | "sigmoid" (0/1 labels, one logit)
     name: str = "model"
     extra: dict = field(default_factory=dict)
+    # The training loss `objective(y, outputs)`, in place of `loss`'s cross-entropy on logits
+    # (a Keras model's compiled loss); `loss` still says how evaluation reads the outputs.
+    objective: Callable[[Any, Any], Any] | None = None
+    outputs: str = "logits"  # "logits" | "probabilities": what forward returns
+    # forward for evaluation and export (no state updated, inference behaviour); default: forward
+    infer: Callable[[dict, dict], Any] | None = None
+    # Per feature its (dtype, per-example shape), for data read from files; default: none known
+    inputs: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+
+    def predict(self, params: dict, features: dict):
+        return (self.infer or self.forward)(params, features)
 
     @property
     def sparse_params(self) -> list[Param]:
@@ -243,10 +273,52 @@ def load_model(name: str, model_args: dict | None = None, seed: int = 0) -> Mode
     if ":" not in name:
         raise ValueError(f"unknown model {name!r}: use one of {sorted(BUILTIN)} or 'package.module:function'")
     module_name, func_name = name.split(":", 1)
-    model = getattr(importlib.import_module(module_name), func_name)(model_args, seed)
+    function = getattr(importlib.import_module(module_name), func_name)
+    build = lambda: function(model_args, seed)  # noqa: E731
+    keras_first = "keras" in sys.modules  # the module imports Keras: build under its seed at once
+    if keras_first:
+        from .keras_model import seeded
+
+        model = seeded(seed, build)
+    else:
+        model = build()
+    if not isinstance(model, ModelDef) and _is_keras_model(model):
+        from .keras_model import from_keras, seeded
+
+        # Under the seed (built again if Keras came in late): every process starts from the same weights.
+        fields = from_keras(model if keras_first else seeded(seed, build))
+        params = [Param(name, shape, init="given", value=value) for name, shape, value in fields.pop("params")]
+        model = ModelDef(params=params, **fields)
     if not isinstance(model, ModelDef):
-        raise TypeError(f"{name} returned {type(model).__name__}, not tfps.runtime.models.ModelDef")
+        raise TypeError(f"{name} returned {type(model).__name__}, not tfps.runtime.models.ModelDef or a keras.Model")
     return model
+
+
+def _is_keras_model(obj: Any) -> bool:
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(obj, keras.Model)
+
+
+def load_params(name: str, model_args: dict | None = None, seed: int = 0) -> list[Param]:
+    """A model's parameters, for a PS. A user's model is built in a child process, so that the
+    PS itself never imports what the model needs (TensorFlow and Keras for a Keras model): the
+    child hands back the parameter list, with a Keras model's initial values."""
+    if name in BUILTIN:
+        return load_model(name, model_args, seed).params
+    with tempfile.TemporaryDirectory(prefix="tfps-params-") as tmp:
+        out = os.path.join(tmp, "params.pickle")
+        args = [sys.executable, "-m", "tfps.runtime.models", name, json.dumps(model_args or {}), str(seed), out]
+        done = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"building model {name} failed:\n{done.stdout[-4000:]}")
+        with open(out, "rb") as fh:
+            return pickle.load(fh)  # written by our own child just now
+
+
+def _write_params(name: str, model_args: str, seed: str, out: str) -> None:
+    model = load_model(name, json.loads(model_args), int(seed))
+    with open(out, "wb") as fh:
+        pickle.dump(model.params, fh, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class BatchSource:
@@ -285,3 +357,10 @@ class BatchSource:
 
     def __call__(self, step: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         return self.data.take(self.indices(step))
+
+
+if __name__ == "__main__":  # load_params's child: NAME MODEL_ARGS_JSON SEED OUT
+    # through the package's module, so that the pickled parameters name its Param, not __main__'s
+    from tfps.runtime.models import _write_params as write
+
+    write(*sys.argv[1:5])

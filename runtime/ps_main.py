@@ -33,17 +33,18 @@ def run(args: argparse.Namespace) -> int:
     metrics_port = args.metrics_port or cfg.metrics_port
 
     from .metrics import Identity, PSMetrics
-    from .models import load_model
+    from .models import load_params
     from .ps import Shard, serve
     from .sharding import place
 
-    model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
-    plan = place(model.params, len(cfg.cluster.ps))
+    # A user's model is built in a child process: the PS itself never imports TensorFlow.
+    params = load_params(cfg.training.model, cfg.training.model_args, cfg.training.seed)
+    plan = place(params, len(cfg.cluster.ps))
     metrics = PSMetrics(Identity(cfg.job, cfg.namespace, "ps", index))
     metrics.serve(metrics_port, bind)
     shard = Shard(
         plan.for_ps(index),
-        {p.name: p for p in model.params},
+        {p.name: p for p in params},
         cfg.training,
         num_workers=max(1, len(cfg.cluster.workers)),
         index=index,

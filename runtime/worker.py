@@ -25,8 +25,9 @@ from tfps.api.spec import ConsistencyMode, TrainingSpec, WireDtype
 from . import wire
 from .client import SentSteps, ShardClient
 from .datapath import ReplyBuffers
+from .filedata import FileBatches, eval_batches, train_batches
 from .metrics import WARM_UP_ONE_IN, WorkerMetrics
-from .models import BatchSource, ModelDef
+from .models import BatchSource, Dataset, ModelDef
 from .sharding import Placement, batch_ids, place, route_rows
 from .zerocopy import as_tensor
 
@@ -89,9 +90,15 @@ def make_grad_fn(model: ModelDef, wire_dtype: WireDtype = WireDtype.FLOAT32):
         params = {k: tf.cast(v, tf.float32) for k, v in params.items()}
         with tf.GradientTape() as tape:
             tape.watch(params)
-            loss = loss_fn(model.loss, model.forward(params, x), y)
-        grads = tape.gradient(loss, params)
-        return loss, {k: table_gradient(g) if k in sparse else tf.cast(g, out_dtype) for k, g in grads.items()}
+            outputs = model.forward(params, x)
+            loss = model.objective(y, outputs) if model.objective else loss_fn(model.loss, outputs, y)
+        # A dense variable read by a lookup (a Keras Embedding) has its gradient as IndexedSlices,
+        # and one the loss does not reach has none: both leave as whole arrays.
+        grads = tape.gradient(loss, params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return loss, {
+            k: table_gradient(g) if k in sparse else tf.cast(tf.convert_to_tensor(g), out_dtype)
+            for k, g in grads.items()
+        }
 
     def spec(tensor, fixed: bool) -> tf.TensorSpec:
         shape = tensor.shape if fixed or not tensor.shape.rank else [None, *tensor.shape[1:]]
@@ -146,22 +153,39 @@ def evaluate(model: ModelDef, params: dict, data, batch: int = 4096) -> dict[str
 
     tensors = {k: tf.convert_to_tensor(v) for k, v in params.items()}
     logits, labels = [], []
-    for start in range(0, len(data), batch):
-        x, y = data.take(np.arange(start, min(start + batch, len(data))))
-        logits.append(model.forward(tensors, {k: tf.convert_to_tensor(v) for k, v in x.items()}).numpy())
+    for x, y in _eval_batches(data, batch):
+        logits.append(model.predict(tensors, {k: tf.convert_to_tensor(v) for k, v in x.items()}).numpy())
         labels.append(y)
+    if not labels or model.loss not in ("softmax", "sigmoid"):
+        return {}
     scores, y = np.concatenate(logits), np.concatenate(labels)
     if model.loss == "softmax":
-        return {"accuracy": float((np.argmax(scores, axis=1) == y).mean())}
-    scores = scores.reshape(-1)
-    figures = {"accuracy": float(((scores > 0).astype(y.dtype) == y).mean())}
+        return {"accuracy": float((np.argmax(scores, axis=1) == y.reshape(-1)).mean())}
+    scores, y = scores.reshape(-1), y.reshape(-1)
+    threshold = 0.5 if model.outputs == "probabilities" else 0.0
+    figures = {"accuracy": float(((scores > threshold).astype(y.dtype) == y).mean())}
     if len(np.unique(y)) == 2:
         figures["auc"] = float(roc_auc_score(y, scores))
     return figures
 
 
+def _eval_batches(data, batch: int):
+    """(features, labels) batches of a test split: a Dataset in memory, or an iterable of
+    batches (files read by runtime/filedata.py)."""
+    if isinstance(data, Dataset):
+        for start in range(0, len(data), batch):
+            yield data.take(np.arange(start, min(start + batch, len(data))))
+    else:
+        yield from data
+
+
 def export_saved_model(model: ModelDef, params: dict, example_x: dict, path: str) -> None:
     """A SavedModel whose serving signature maps the features to probabilities."""
+    if "keras" in model.extra:
+        from .keras_model import export_keras
+
+        export_keras(model, params, path)
+        return
 
     class Exported(tf.Module):
         def __init__(self):
@@ -173,7 +197,7 @@ def export_saved_model(model: ModelDef, params: dict, example_x: dict, path: str
 
     @tf.function(input_signature=[spec])
     def serve(features):
-        logits = model.forward(dict(module.params), features)
+        logits = model.predict(dict(module.params), features)
         probs = tf.nn.softmax(logits) if model.loss == "softmax" else tf.sigmoid(logits)
         return {"probabilities": probs}
 
@@ -308,8 +332,16 @@ class Worker:
             if len(self.clients) > 1
             else None
         )
-        self.train, self.test = model.data()
-        self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)
+        self.batches: BatchSource | FileBatches
+        if training.data is not None:  # examples streamed from files, in place of the model's data()
+            self.train, self.test = None, eval_batches(training.data, model.inputs, metrics=metrics)
+            self.batches = train_batches(
+                training.data, model.inputs, training.batch_size, training.seed, index, num_workers, metrics
+            )
+        else:
+            self.train, self.test = model.data()
+            self.batches = BatchSource(self.train, training.seed, training.batch_size, index, num_workers)
+        self.data_ended = False  # training.data's epochs used up on this worker
         self.grad_fn = make_grad_fn(model, training.wire_dtype)
         self.sparse = {p.name: p for p in model.sparse_params}
         # Tables over one feature whose parts split the rows alike (wide-deep's two) route a
@@ -451,7 +483,10 @@ class Worker:
         self.clock = replies[0].clock
         self.shard_clocks = [r.clock for r in replies]
         split = replies[0].workers
-        if split != self.batches.num_workers and self.index < split:  # workers were scaled: cut batches anew
+        # Files stay sharded as they were when the job started.
+        if (
+            isinstance(self.batches, BatchSource) and split != self.batches.num_workers and self.index < split
+        ):  # workers were scaled: cut batches anew
             self.batches = BatchSource(self.train, self.training.seed, self.training.batch_size, self.index, split)
             log.info(json.dumps({"event": "resplit", "worker": self.index, "workers": split}))
         self._take_params(replies)
@@ -537,13 +572,22 @@ class Worker:
         m.step_seconds.observe(time.perf_counter() - t_step)
         self.step_times.append(time.perf_counter() - t_step)
 
+    def _has_data(self, step: int) -> bool:
+        """Whether data step `step` has a batch (False once training.data's epochs are used up)."""
+        if isinstance(self.batches, BatchSource) or self.batches.has(step):
+            return True
+        self.data_ended = True
+        return False
+
     def train_step(self) -> None:
         t_step = time.perf_counter()
         step = self._data_step()
+        if not self._has_data(step):
+            return
         loss, grads, routes, batch = self._compute(step)
         # The rows of the next batch ride along with this push.
         next_requests, next_routes = [dict() for _ in self.clients], {}
-        if self.sparse:
+        if self.sparse and self._has_data(step + 1):
             _, _, next_requests, next_routes = self._batch_plan(step + 1)
         inflight = self._send(
             list(self.versions),
@@ -552,13 +596,12 @@ class Worker:
             next_requests,
             next_routes,
         )
-        if (
-            not self.sparse
-        ):  # the next batch is made while the PS closes the step (with tables it was made before, for its rows)
+        if not self.sparse and self._has_data(step + 1):
+            # the next batch is made while the PS closes the step (with tables it was made before, for its rows)
             self._batch_plan(step + 1)
         replies = self._finish(inflight)
         self._update_state(replies)
-        if self.sparse:
+        if self.sparse and next_routes:
             self.rows = self._rows_from(replies, next_routes)
             self._rows_step = step + 1 if self._data_step() == step + 1 else None
         self._count(loss, batch, t_step)
@@ -574,10 +617,15 @@ class Worker:
         ahead: dict[int, dict[str, np.ndarray]] = {}
         if self.sparse:
             for data_step in (step, step + 1):
-                _, _, requests, routes = self._batch_plan(data_step)
-                ahead[data_step] = self._rows_from(self._pull_rows(requests), routes)
+                if self._has_data(data_step):
+                    _, _, requests, routes = self._batch_plan(data_step)
+                    ahead[data_step] = self._rows_from(self._pull_rows(requests), routes)
         while not self.done:
             t_step = time.perf_counter()
+            if not self._has_data(step):
+                if inflight is not None:
+                    self._update_state(self._finish(inflight[0]))
+                return
             tags = list(self.versions)
             if self.sparse:
                 self.rows, self._rows_step = ahead.pop(step), step
@@ -586,12 +634,12 @@ class Worker:
                 sent, rows_step = inflight
                 replies = self._finish(sent)
                 self._update_state(replies)
-                if self.sparse:
+                if self.sparse and sent.routes:
                     ahead[rows_step] = self._rows_from(replies, sent.routes)
                 if self.done:
                     break
             requests, routes_ahead = [dict() for _ in self.clients], {}
-            if self.sparse:
+            if self.sparse and self._has_data(step + 2):
                 _, _, requests, routes_ahead = self._batch_plan(step + 2)
             inflight = (
                 self._send(
@@ -614,8 +662,10 @@ class Worker:
         )
         if self.pipeline:
             self._run_pipelined()
-        while not self.done:
+        while not self.done and not self.data_ended:
             self.train_step()
+        if self.data_ended:
+            log.info(json.dumps({"event": "data-ended", "worker": self.index, "step": self.versions[0]}))
 
     # ---- the end ----
     def full_params(self) -> dict[str, np.ndarray]:
@@ -642,7 +692,7 @@ class Worker:
         }
 
     def finish(self, export_path: str | None = None) -> dict:
-        evaluate_now = self.test is not None and len(self.test) > 0
+        evaluate_now = self.test is not None and (not isinstance(self.test, Dataset) or len(self.test) > 0)
         # the whole model (embedding tables too) comes over only when something needs it
         params = self.full_params() if evaluate_now or export_path else {}
         result = {
@@ -654,17 +704,22 @@ class Worker:
         }
         if evaluate_now:
             result.update(evaluate(self.model, params, self.test))
-            self.metrics.eval_accuracy.set(result["accuracy"])
+            if result["accuracy"] is not None:
+                self.metrics.eval_accuracy.set(result["accuracy"])
             if "auc" in result:
                 self.metrics.eval_auc.set(result["auc"])
         if export_path:
-            export_saved_model(self.model, params, self.train.take(np.arange(1))[0], export_path)
+            example = self.train.take(np.arange(1))[0] if self.train is not None else self.batches.first[0]
+            export_saved_model(self.model, params, example, export_path)
             result["export_path"] = export_path
         for client in self.clients:
             client.finish()
         return result
 
     def close(self) -> None:
+        for source in (self.batches, self.test):
+            if isinstance(source, FileBatches):
+                source.close()
         if self.pool:
             self.pool.shutdown()
         for c in self.clients:

@@ -1,0 +1,187 @@
+"""A user's own Keras model trained by the PS runtime from their own files: `tfps local`'s
+LocalRun (1 PS, 2 workers, real processes on loopback) trains a small wide-and-deep Keras model
+(a string feature through StringLookup and a plain Embedding, numeric features through
+BatchNormalization) from TFRecord, Parquet and CSV files the test writes (synthetic data: a
+linear teacher over the numeric features plus a per-category offset), evaluates it on the eval
+files and exports it; bad files fail or are skipped as training.data.onBadRecord says."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import textwrap
+
+import numpy as np
+import pytest
+
+from tfps.api.spec import TrainingJob, manifest_for
+from tfps.runtime.local import LocalRun
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+ACCURACY_AT_LEAST = 0.85  # the teacher's labels are noiseless; a model that learned nothing scores about 0.5
+CATEGORIES = ["red", "green", "blue", "black"]
+OFFSET = {"red": 1.5, "green": -1.5, "blue": 0.5, "black": -0.5}
+
+MODEL = textwrap.dedent(
+    """
+    import keras
+
+
+    def wide_deep(model_args, seed):
+        numeric = keras.Input((2,), name="x", dtype="float32")
+        colour = keras.Input((1,), name="colour", dtype="string")
+        ids = keras.layers.StringLookup(vocabulary=model_args["colours"], name="lookup")(colour)
+        embedded = keras.layers.Flatten()(keras.layers.Embedding(len(model_args["colours"]) + 1, 4, name="emb")(ids))
+        deep = keras.layers.BatchNormalization(name="bn")(numeric)
+        h = keras.layers.Dense(16, activation="relu", name="hidden")(keras.layers.Concatenate()([deep, embedded]))
+        out = keras.layers.Dense(1, activation="sigmoid", name="out")(h)
+        model = keras.Model({"x": numeric, "colour": colour}, out)
+        model.compile(loss="binary_crossentropy", metrics=["accuracy"])
+        return model
+    """
+)
+
+
+def _examples(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 2)).astype(np.float32)
+    colour = rng.choice(CATEGORIES, n)
+    logit = 2.0 * x[:, 0] - 1.0 * x[:, 1] + np.array([OFFSET[c] for c in colour])
+    return x, colour, (logit > 0).astype(np.int64)
+
+
+def _write_tfrecord(path, x, colour, y, compression=None):
+    import tensorflow as tf
+
+    options = tf.io.TFRecordOptions(compression_type=compression or "")
+    with tf.io.TFRecordWriter(str(path), options) as writer:
+        for i in range(len(y)):
+            feature = {
+                "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
+                "colour": tf.train.Feature(bytes_list=tf.train.BytesList(value=[colour[i].encode()])),
+                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[y[i]])),
+            }
+            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
+
+
+def _write_parquet(path, x, colour, y):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": list(x), "colour": colour, "label": y}), str(path), row_group_size=200)
+
+
+def _write_csv(path, x, colour, y):
+    with gzip.open(path, "wt") as fh:
+        fh.write("x0,x1,colour,label\n")
+        for i in range(len(y)):
+            fh.write(f"{x[i, 0]},{x[i, 1]},{colour[i]},{y[i]}\n")
+
+
+FORMATS = {
+    "tfrecord": (_write_tfrecord, "tfrecord", None),
+    "parquet": (_write_parquet, "parquet", None),
+    "csv": (_write_csv, "csv.gz", "gzip"),
+}
+
+
+def _write(tmp_path, fmt: str, files: int = 3, train: int = 3000, evals: int = 600) -> dict:
+    write, suffix, compression = FORMATS[fmt]
+    (tmp_path / "train").mkdir()
+    (tmp_path / "eval").mkdir()
+    x, colour, y = _examples(train, 1)
+    for k in range(files):
+        write(tmp_path / "train" / f"part-{k}.{suffix}", x[k::files], colour[k::files], y[k::files])
+    write(tmp_path / "eval" / f"part-0.{suffix}", *_examples(evals, 2))
+    source = {"format": fmt, **({"compression": compression} if compression else {})}
+    return {
+        "train": {"files": str(tmp_path / "train" / f"*.{suffix}"), **source},
+        "eval": {"files": str(tmp_path / "eval" / f"*.{suffix}"), **source},
+        "label": "label",
+    }
+
+
+# A CSV column holds one value: the model takes its two numbers as two inputs.
+CSV_MODEL = MODEL.replace(
+    'numeric = keras.Input((2,), name="x", dtype="float32")',
+    'x0, x1 = keras.Input((1,), name="x0"), keras.Input((1,), name="x1")\n'
+    "    numeric = keras.layers.Concatenate()([x0, x1])",
+).replace('{"x": numeric, "colour": colour}', '{"x0": x0, "x1": x1, "colour": colour}')
+
+
+def _job(tmp_path, data: dict, steps: int = 300, model: str = MODEL, **training) -> LocalRun:
+    (tmp_path / "usermodel.py").write_text(model)
+    spec = {
+        "replicaSpecs": {"PS": {"replicas": 1}, "Worker": {"replicas": 2}},
+        "runPolicy": {"backoffLimit": 0},
+        "training": {
+            "model": "usermodel:wide_deep",
+            "modelArgs": {"colours": CATEGORIES},
+            "optimizer": {"name": "adam", "learningRate": 0.01},
+            "batchSize": 32,
+            "steps": steps,
+            "data": data,
+            **training,
+        },
+    }
+    job = TrainingJob.model_validate(manifest_for("keras-files", spec))
+    return LocalRun(job, workdir=tmp_path / "work", env={"PYTHONPATH": str(tmp_path)})
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_keras_model_trains_from_files_to_the_stated_accuracy(tmp_path, fmt):
+    data = _write(tmp_path, fmt)
+    run = _job(tmp_path, data, model=CSV_MODEL if fmt == "csv" else MODEL, exportPath=str(tmp_path / "export"))
+    result = run.run()
+    assert result["succeeded"], json.dumps(result.get("logs"), indent=1)[-4000:]
+    assert result["steps"] == 300
+    assert result["accuracy"] >= ACCURACY_AT_LEAST, result
+    assert result["auc"] > result["accuracy"] - 0.1, result
+    print(f"{fmt}: accuracy {result['accuracy']:.3f}, AUC {result['auc']:.3f}")
+    _check_export(tmp_path / "export", fmt)
+
+
+def _check_export(path, fmt: str) -> None:
+    import tensorflow as tf
+
+    serve = tf.saved_model.load(str(path)).signatures["serving_default"]
+    x, colour, y = _examples(400, 3)
+    features = {"colour": tf.constant(colour.reshape(-1, 1))}
+    if fmt == "csv":
+        features.update(x0=tf.constant(x[:, :1]), x1=tf.constant(x[:, 1:]))
+    else:
+        features["x"] = tf.constant(x)
+    probabilities = serve(**features)["probabilities"].numpy().reshape(-1)
+    assert ((probabilities > 0.5) == y).mean() >= ACCURACY_AT_LEAST
+
+
+def test_a_glob_matching_no_file_fails_the_job_naming_it(tmp_path):
+    data = _write(tmp_path, "tfrecord", files=1, train=200, evals=50)
+    data["train"]["files"] = str(tmp_path / "nowhere" / "*.tfrecord")
+    result = _job(tmp_path, data, steps=20).run()
+    assert not result["succeeded"]
+    assert "no file matches" in result["logs"]["worker-0"] and data["train"]["files"] in result["logs"]["worker-0"]
+
+
+def _corrupt(path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a flipped byte: the record's checksum no longer holds
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("policy", ["skip", "fail"])
+def test_a_corrupt_tfrecord_is_skipped_and_counted_or_fails_naming_the_file(tmp_path, policy):
+    data = _write(tmp_path, "tfrecord", files=2, train=1000, evals=200)
+    bad = tmp_path / "train" / "part-0.tfrecord"
+    _corrupt(bad)
+    data.update(onBadRecord=policy, epochs=1)
+    run = _job(tmp_path, data, steps=100, consistency={"mode": "async"})
+    result = run.run()
+    log = (run.workdir / "worker-0.log").read_text()
+    if policy == "fail":
+        assert not result["succeeded"]
+        assert str(bad) in log and "onBadRecord: fail" in log
+    else:
+        assert result["succeeded"], json.dumps(result.get("logs"), indent=1)[-4000:]
+        assert f"skipped 1 bad record(s) in {bad}" in log
