@@ -3,7 +3,9 @@ the PS offers one, and over gRPC when it does not or when told not to; the port 
 the job's token; frames it cannot read are refused, counted, and change nothing.
 Real PS servers and workers in one process, real sockets on 127.0.0.1."""
 
+import json
 import socket
+import threading
 import time
 
 import grpc
@@ -172,6 +174,48 @@ def test_the_data_port_admits_only_the_jobs_token():
         reply = conn.step({"worker": 0, "tag": -1, "pull": True}, {})
         conn.close()
         assert reply.meta["version"] == 0 and set(reply.tensors) == set(shard.vars)
+    finally:
+        server.stop(None)
+        shard.close()
+
+
+def test_the_hello_is_checked_before_anything_a_peer_sent_is_parsed(monkeypatch):
+    """A hello is a frame of a fixed size, its token a digest compared before any JSON or tensor
+    is decoded: a hello of the old kind (a wire message, here a 64 KiB header of thousands of
+    dimensions) is refused unread and one of the right size with another token unparsed, neither
+    reaching the wire's readers in the PS's threads. Once admitted, a request refused as malformed
+    is answered, and the connection serves the next."""
+    parsed = []
+    for name in ("decode", "header"):
+        real = getattr(wire, name)
+        spy = lambda *args, _real=real, **kwargs: (
+            parsed.append(threading.current_thread().name) or _real(*args, **kwargs)
+        )  # noqa: E731
+        monkeypatch.setattr(wire, name, spy)
+    model = InProcessCluster(TRAINING).model()
+    shard = lone_shard(model.params, TRAINING, job="inprocess")
+    server, _ = serve(shard, "127.0.0.1:0", security=ServerSecurity(Material(b"the-job-token")))
+    header = json.dumps({"meta": {"hello": {"token": "x"}}, "tensors": [["w", "float32", [1] * 20_000, 4]]}).encode()
+    old_hello = len(header).to_bytes(4, "little") + header + bytes(4)
+    try:
+        for hello in (old_hello[: 64 << 10], hello_body(b"another-token")):
+            with socket.create_connection(("127.0.0.1", server.data_port), timeout=10) as sock:
+                sock.sendall(FRAME.pack(len(hello)) + hello)
+                assert _reply(sock).meta["error"]["code"] == "UNAUTHENTICATED"
+                assert _closed_by_peer(sock)
+        assert _sample(shard, "tfps_ps_rejected_requests_total", reason="unauthenticated") == 2
+        assert not [thread for thread in parsed if thread.startswith("ps-data")], parsed
+        kernel = shard.vars["dense_0/kernel"]
+        with _hello(server.data_port, b"the-job-token") as sock:
+            bad = json.dumps({"meta": {"worker": 0}, "tensors": [[["a", "list"], "float32", [1], 4]]}).encode()
+            bad = len(bad).to_bytes(4, "little") + bad + bytes(4)
+            sock.sendall(FRAME.pack(len(bad)) + bad)
+            assert _reply(sock).meta["error"]["reason"] == "malformed"
+            push = wire.encode(
+                {"worker": 0, "tag": 0, "pull": False, "batch": 1}, {"dense_0/kernel": np.ones_like(kernel)}
+            )
+            sock.sendall(FRAME.pack(len(push)) + push)
+            assert _reply(sock).meta["version"] == shard.version == 1
     finally:
         server.stop(None)
         shard.close()

@@ -65,6 +65,11 @@ def _rejected(cluster, reason):
     )
 
 
+def _claims(header: dict, payload: bytes = b"\0" * 64, length: int | None = None) -> bytes:
+    raw = json.dumps(header).encode()
+    return (len(raw) if length is None else length).to_bytes(4, "little") + raw + payload
+
+
 def _bad_requests():
     meta = {"worker": 0, "tag": 0, "pull": False}
     good = _good()
@@ -101,7 +106,21 @@ def _bad_requests():
         ),
         ("out_of_range", wire.encode({**meta, "pull": True}, {"embedding:rows": np.array([0, -3], np.int64)})),
         ("malformed", wire.encode({**meta, "worker": 7}, good)),
+        # each once escaped as another exception: UNKNOWN over gRPC, a dead connection on the data path
+        *[("malformed", _named(meta, name)) for name in (["dense_0/kernel"], {"n": 1}, 7, "dense_0/kernel:")],
+        (
+            "wrong_shape",
+            _claims(
+                {"meta": meta, "tensors": [["w", "float32", [1] * 64 + [0], 0], ["b", "float32", [1], 4]]}, bytes(4)
+            ),
+        ),
     ]
+
+
+def _named(meta: dict, name) -> bytes:
+    """A push of the kernel's gradient under `name` (of any JSON type) in its header."""
+    kernel = _good()["dense_0/kernel"]
+    return _claims({"meta": meta, "tensors": [[name, "float32", list(kernel.shape), kernel.nbytes]]}, kernel.tobytes())
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -124,6 +143,28 @@ def test_malformed_push_is_refused_and_changes_nothing(cluster, reason, data, tr
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_good_push_is_applied(cluster, transport):
     _push_good(cluster, transport)
+
+
+def test_an_error_of_the_ps_itself_is_answered_internal_counted_and_the_connection_goes_on(cluster, monkeypatch):
+    """An exception of the PS's own (Shard.step made to raise one) is no fault of the request: it
+    is answered INTERNAL on either transport and counted as reason "internal", and the data
+    connection that carried it serves the next request."""
+    shard = cluster.shards[0]
+    count, version = _rejected(cluster, "internal"), shard.version
+    grad = np.ones((4 * 16 + 8, 64), np.float32)
+    conn = DataConnection("127.0.0.1", cluster.servers[0].data_port, None, timeout=10)
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(shard, "step", lambda *args, **kwargs: {}["a bug of the PS's"])
+            for step in (lambda: _step(cluster, wire.encode({"worker": 0}, {})), lambda: conn.step({"worker": 0}, {})):
+                with pytest.raises(grpc.RpcError) as err:
+                    step()
+                assert err.value.code() == grpc.StatusCode.INTERNAL
+        reply = conn.step({"worker": 0, "tag": version, "pull": True, "batch": 1}, {"dense_0/kernel": grad})
+    finally:
+        conn.close()
+    assert reply.meta["version"] == shard.version == version + 1
+    assert _rejected(cluster, "internal") == count + 2
 
 
 def _push_good(cluster, transport: str = "grpc") -> None:
@@ -227,11 +268,6 @@ def _assert_alive_and_unchanged(cluster, before, version):
             health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout=5
         )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-def _claims(header: dict, payload: bytes = b"\0" * 64, length: int | None = None) -> bytes:
-    raw = json.dumps(header).encode()
-    return (len(raw) if length is None else length).to_bytes(4, "little") + raw + payload
 
 
 def _oversize():
