@@ -104,3 +104,12 @@ def test_the_ps_process_loads_neither_tensorflow_nor_protobuf():
     ).stdout.split()
     # grpc's own __init__ imports the (empty) grpc_health namespace package, not its protobuf messages
     assert set(out) <= {"grpc_health"}, out
+
+
+def test_test_modules_have_names_of_their_own():
+    """pytest imports the tiers' test modules by basename (the tiers are not packages): two
+    modules of one name stop the collection of the whole suite."""
+    seen: dict[str, Path] = {}
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
+        seen[path.name] = path
