@@ -40,7 +40,7 @@ SKIP_ROWS = 1 << 10
 class Param:
     name: str
     shape: tuple[int, ...]
-    init: str = "glorot"  # "glorot" | "zeros" | "normal:<stddev>" | "given" (`value`)
+    init: str = "glorot"  # "glorot" | "zeros" | "normal:<stddev>" | "uniform:<limit>" | "given" (`value`)
     sparse: bool = False  # an embedding table: pulled and updated by rows
     feature: str | None = None  # sparse only: the feature holding its ids
     # init "given": the initial value itself (a Keras model's own initialised weights)
@@ -86,6 +86,11 @@ class Param:
         elif self.init.startswith("normal:"):
             rng.standard_normal(dtype=np.float32, out=out)
             out *= np.float32(self.init.split(":", 1)[1])
+        elif self.init.startswith("uniform:"):  # in [-limit, limit)
+            limit = np.float32(self.init.split(":", 1)[1])
+            rng.random(dtype=np.float32, out=out)
+            out *= 2 * limit
+            out -= limit
         elif self.init == "glorot":
             fan_in, fan_out = (self.shape[0], self.shape[-1]) if len(self.shape) > 1 else (self.shape[0], self.shape[0])
             rng.random(dtype=np.float32, out=out)
@@ -136,6 +141,9 @@ class ModelDef:
     infer: Callable[[dict, dict], Any] | None = None
     # Per feature its (dtype, per-example shape), for data read from files; default: none known
     inputs: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    # `derive(features) -> features`: a batch's features plus those the sparse tables' ids are
+    # read from, where the model computes them (a Keras model's lookups); run before the rows are pulled
+    derive: Callable[[dict], dict] | None = None
 
     def predict(self, params: dict, features: dict):
         return (self.infer or self.forward)(params, features)
@@ -276,19 +284,22 @@ def load_model(name: str, model_args: dict | None = None, seed: int = 0) -> Mode
     function = getattr(importlib.import_module(module_name), func_name)
     build = lambda: function(model_args, seed)  # noqa: E731
     keras_first = "keras" in sys.modules  # the module imports Keras: build under its seed at once
-    if keras_first:
-        from .keras_model import seeded
+    from .keras_model import tables_on_ps
 
-        model = seeded(seed, build)
-    else:
-        model = build()
-    if not isinstance(model, ModelDef) and _is_keras_model(model):
-        from .keras_model import from_keras, seeded
+    with tables_on_ps():  # built to be trained: a tfps Embedding's table stays on the PS
+        if keras_first:
+            from .keras_model import seeded
 
-        # Under the seed (built again if Keras came in late): every process starts from the same weights.
-        fields = from_keras(model if keras_first else seeded(seed, build))
-        params = [Param(name, shape, init="given", value=value) for name, shape, value in fields.pop("params")]
-        model = ModelDef(params=params, **fields)
+            model = seeded(seed, build)
+        else:
+            model = build()
+        if not isinstance(model, ModelDef) and _is_keras_model(model):
+            from .keras_model import from_keras, seeded
+
+            # Under the seed (built again if Keras came in late): every process starts from the same weights.
+            model = ModelDef(**from_keras(model if keras_first else seeded(seed, build)))
+            # the export's model, its tables whole
+            model.extra["rebuild"] = lambda: seeded(seed, build)
     if not isinstance(model, ModelDef):
         raise TypeError(f"{name} returned {type(model).__name__}, not tfps.runtime.models.ModelDef or a keras.Model")
     return model

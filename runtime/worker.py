@@ -520,6 +520,8 @@ class Worker:
         if cached is not None and cached[0] is self.batches:
             return cached[1]
         x, y = self.batches(step)
+        if self.model.derive is not None:  # the ids the tables' rows are pulled for, computed from the batch
+            x = self.model.derive(x)
         requests, routes = [dict() for _ in self.clients], {}
         if self.sparse:
             x, requests, routes = self._sparse_plan(x)

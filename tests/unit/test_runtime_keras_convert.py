@@ -210,3 +210,125 @@ def test_a_missing_or_mistyped_feature_is_refused_naming_it(tmp_path):
     data = DataSpec.model_validate({"train": {"files": str(tmp_path / "*.parquet"), "format": "parquet"}, "label": "y"})
     with pytest.raises(ValueError, match="feature 'a'.*not readable as float32"):
         FileBatches(data, data.train, {"a": ("float32", ()), "y": ("int64", ())}, 4, 0)
+
+
+TABLES_MODEL = textwrap.dedent(
+    """
+    import keras
+    from tfps.runtime.keras_layers import Embedding
+
+
+    def model(model_args, seed):
+        colour = keras.Input((1,), name="colour", dtype="string")
+        item = keras.Input((2,), name="item", dtype="int64")
+        x = keras.Input((2,), name="x")
+        layer = Embedding if model_args.get("tfps", True) else keras.layers.Embedding
+        looked_up = keras.layers.StringLookup(vocabulary=["red", "blue"], name="lookup")(colour)
+        if model_args.get("trained_ids"):  # ids from a trainable layer: refused
+            looked_up = keras.layers.Dense(1, name="ids")(x)
+        a = keras.layers.Flatten()(layer(3, 4, name="colour_emb")(looked_up))
+        b = keras.layers.Flatten()(layer(model_args.get("rows", 2_000_000), 3, name="item_emb")(item))
+        h = keras.layers.Dense(4, activation="relu", name="h")(keras.layers.Concatenate()([x, a, b]))
+        out = keras.layers.Dense(1, activation="sigmoid", name="out")(h)
+        m = keras.Model({"x": x, "colour": colour, "item": item}, out)
+        m.compile(loss="binary_crossentropy")
+        return m
+    """
+)
+
+
+@pytest.fixture
+def tables_module(tmp_path, monkeypatch):
+    (tmp_path / "kerastables.py").write_text(TABLES_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "kerastables:model"
+
+
+def _ids_batch():
+    x = {
+        "x": np.linspace(-1, 1, 8, dtype=np.float32).reshape(4, 2),
+        "colour": np.array([["red"], ["blue"], ["pink"], ["red"]], object),
+        "item": np.array([[5, 7], [1_999_999, 5], [0, 1], [7, 7]], np.int64),
+    }
+    return x, np.array([1, 0, 1, 0], np.int64)
+
+
+def test_a_tfps_embedding_becomes_a_sparse_param_over_the_ids_that_reach_it(tables_module):
+    from tfps.runtime.models import load_model
+
+    model = load_model(tables_module, {}, seed=2)
+    tables = {p.name: p for p in model.params if p.sparse}
+    assert tables["colour_emb/embeddings"].shape == (3, 4) and tables["item_emb/embeddings"].shape == (2_000_000, 3)
+    assert {p.feature for p in tables.values()} == {"colour_emb:ids", "item_emb:ids"}
+    assert {p.init for p in tables.values()} == {"uniform:0.05"}  # Keras's default, drawn by the PS
+    # built to be trained, the worker's Keras model keeps one row in each table's place
+    shapes = {v.path: tuple(v.shape) for v in model.extra["keras"].trainable_variables}
+    assert shapes["colour_emb/embeddings"] == (1, 4) and shapes["item_emb/embeddings"] == (1, 3)
+    x, _ = _ids_batch()
+    derived = model.derive(x)
+    np.testing.assert_array_equal(derived["item_emb:ids"], x["item"])  # a model input: taken as it is
+    np.testing.assert_array_equal(derived["colour_emb:ids"], [[1], [2], [0], [1]])  # the lookup's ids
+    x["item"][0, 0] = 2_000_000
+    with pytest.raises(ValueError, match=r"item_emb:ids: ids outside \[0, 2000000\)"):
+        model.derive(x)
+    rows = tables["item_emb/embeddings"].initial_rows(2, 1_999_990, 2_000_000)
+    assert rows.shape == (10, 3) and np.abs(rows).max() <= 0.05
+
+
+def test_ids_from_a_trainable_layer_are_refused(tables_module):
+    from tfps.runtime.models import load_model
+
+    with pytest.raises(ValueError, match="colour_emb depend on trainable weights"):
+        load_model(tables_module, {"trained_ids": True}, seed=2)
+
+
+def test_a_tfps_embeddings_rows_give_the_gradients_of_a_plain_embedding(tables_module):
+    """The worker's view (the batch's rows, its ids remapped onto them) against the same model
+    with plain Embeddings and whole tables holding the same values."""
+    import tensorflow as tf
+
+    from tfps.runtime.models import load_model
+    from tfps.runtime.sharding import batch_ids
+    from tfps.runtime.worker import make_grad_fn
+
+    model = load_model(tables_module, {"rows": 2_000_000}, seed=2)
+    plain = load_model(tables_module, {"rows": 2_000_000, "tfps": False}, seed=2)
+    assert not plain.sparse_params
+    whole = {p.name: p.initial_value(2) for p in model.params}
+    x, y = _ids_batch()
+    derived = model.derive(x)
+    rows, features = {}, dict(derived)
+    for p in model.sparse_params:
+        uniq, features[p.feature] = batch_ids(derived[p.feature])
+        rows[p.name] = whole[p.name][uniq]
+    params = {k: tf.constant(rows.get(k, v)) for k, v in whole.items()}
+    loss, grads = make_grad_fn(model)(params, {k: tf.constant(v) for k, v in features.items()}, tf.constant(y))
+    plain_loss, plain_grads = make_grad_fn(plain)(
+        {k: tf.constant(v) for k, v in whole.items()}, {k: tf.constant(v) for k, v in x.items()}, tf.constant(y)
+    )
+    np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-6)
+    for p in model.params:
+        expected = np.asarray(plain_grads[p.name])
+        if p.sparse:
+            uniq, _ = batch_ids(derived[p.feature])
+            assert np.asarray(grads[p.name]).shape[0] == len(uniq) <= p.shape[0]
+            expected = expected[uniq]
+        np.testing.assert_allclose(np.asarray(grads[p.name]), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_with_a_tfps_embedding_saves_and_loads_as_a_keras_file(tables_module, tmp_path):
+    import keras
+    import tensorflow as tf
+    from kerastables import model as build
+
+    from tfps.runtime.keras_layers import Embedding
+
+    model = build({"rows": 50}, 0)  # built outside tfps: a whole table
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.get_layer("item_emb"), Embedding)
+    x, _ = _ids_batch()
+    x["item"] %= 50
+    x = {k: tf.constant(v) for k, v in x.items()}
+    np.testing.assert_allclose(loaded(x).numpy(), model(x).numpy(), rtol=1e-6)
