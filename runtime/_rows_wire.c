@@ -122,8 +122,10 @@ static int read_entry(PyObject *obj, Entry *t) {
    not. (Where it lies in memory is its reader's to check: read_header reads no tensor, and
    wire.tensor_at copies one that lies misaligned.) */
 static int place_of(Py_ssize_t offset, Py_ssize_t align, Py_ssize_t nbytes, Py_ssize_t total, Py_ssize_t *at) {
-    offset += (align - offset % align) % align;
-    if (offset > total || nbytes > total - offset) return -1;
+    Py_ssize_t pad = (align - offset % align) % align;
+    if (offset > total || pad > total - offset) return -1; /* compared, not added: no overflow near the limit */
+    offset += pad;
+    if (nbytes > total - offset) return -1;
     *at = offset;
     return 0;
 }

@@ -218,6 +218,8 @@ class DataServer:
                 self._loop(sock)
         except (OSError, ValueError):
             pass  # the worker went away (or sent a TLS handshake that failed): it reconnects
+        except Exception:  # a bug of the PS's: said, and only this connection closed
+            log.exception("the data path's connection failed unexpectedly")
         finally:
             sock.close()
             with self._lock:
