@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from . import keras_model
+from . import keras_tables
 
 
 @keras.saving.register_keras_serializable(package="tfps")
@@ -21,7 +21,7 @@ class Embedding(keras.layers.Embedding):
     """keras.layers.Embedding whose table stays on the PS when tfps trains the model."""
 
     def build(self, input_shape=None):
-        if self.built or not keras_model.tables_on_ps_now():
+        if self.built or not keras_tables.tables_on_ps_now():
             super().build(input_shape)
             return
         # Built for training by tfps: the table is on the PS, so this process keeps one row in its place.
@@ -29,7 +29,7 @@ class Embedding(keras.layers.Embedding):
         self.built = True
 
     def call(self, inputs):
-        given = keras_model.given_table(self)
+        given = keras_tables.given_table(self)
         if given is None:
             return super().call(inputs)
         table, ids = given

@@ -21,52 +21,17 @@ makes the ModelDef), so that the PS and worker paths train it as they train any 
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .models import Param
+from .keras_tables import giving
 
 # Compiled losses by name -> how evaluation reads the outputs.
 _BINARY = {"binary_crossentropy", "binary_focal_crossentropy"}
 _CLASSES = {"sparse_categorical_crossentropy"}
 _PROBABILITY_ACTIVATIONS = {"sigmoid", "softmax"}
-
-
-_local = threading.local()  # tables_on_ps's flag and the tables a forward hands its layers
-
-
-@contextlib.contextmanager
-def tables_on_ps() -> Iterator[None]:
-    """Models built inside keep a tfps Embedding's table on the PS (one row in its place here)."""
-    before = getattr(_local, "on_ps", False)
-    _local.on_ps = True
-    try:
-        yield
-    finally:
-        _local.on_ps = before
-
-
-def tables_on_ps_now() -> bool:
-    return getattr(_local, "on_ps", False)
-
-
-def given_table(layer) -> tuple[Any, Any] | None:
-    """(table or its rows, ids or None: the layer's own inputs) that a forward hands `layer`."""
-    return getattr(_local, "tables", {}).get(id(layer))
-
-
-@contextlib.contextmanager
-def _giving(tables: dict) -> Iterator[None]:
-    before = getattr(_local, "tables", {})
-    _local.tables = tables
-    try:
-        yield
-    finally:
-        _local.tables = before
 
 
 def seeded(seed: int, build: Callable[[], Any]):
@@ -203,7 +168,8 @@ def _derive(model, tables: list, model_inputs: Callable) -> Callable[[dict], dic
 
 
 def from_keras(model) -> dict[str, Any]:
-    """The ModelDef fields of a built Keras model (see the module's docstring)."""
+    """The ModelDef fields of a built Keras model (see the module's docstring); `params` as
+    the keyword arguments of each Param."""
     import tensorflow as tf
 
     inputs = _input_spec(model)
@@ -215,15 +181,17 @@ def from_keras(model) -> dict[str, Any]:
     tables = _tables(model)
     on_ps = {layer.embeddings.path: layer for layer, _ in tables}
     params = [
-        Param(
-            v.path,
-            (on_ps[v.path].input_dim, on_ps[v.path].output_dim),
+        dict(
+            name=v.path,
+            shape=(on_ps[v.path].input_dim, on_ps[v.path].output_dim),
             init=_table_init(on_ps[v.path]),
             sparse=True,
             feature=f"{on_ps[v.path].name}:ids",
         )
         if v.path in on_ps
-        else Param(v.path, tuple(int(d) for d in v.shape), init="given", value=np.asarray(v.numpy(), np.float32))
+        else dict(
+            name=v.path, shape=tuple(int(d) for d in v.shape), init="given", value=np.asarray(v.numpy(), np.float32)
+        )
         for v in trainable
     ]
     state = list(model.non_trainable_variables)
@@ -231,7 +199,7 @@ def from_keras(model) -> dict[str, Any]:
     kind, from_logits, loss = _loss(model)
 
     def values_of(params: dict) -> list:
-        # a table's variable keeps its own value: the layer takes the table (or its rows) from `_giving`
+        # a table's variable keeps its own value: the layer takes the table (or its rows) from `giving`
         return [
             v.value if name in on_ps else tf.cast(params[name], v.dtype)
             for name, v in zip(names, trainable, strict=True)
@@ -244,7 +212,7 @@ def from_keras(model) -> dict[str, Any]:
 
     def forward(params: dict, features: dict):
         given = {id(layer): (params[name], features[f"{layer.name}:ids"]) for name, layer in on_ps.items()}
-        with _giving(given):
+        with giving(given):
             outputs, new_state = model.stateless_call(
                 values_of(params), [v.value for v in state], model_inputs(features), training=True
             )
@@ -253,7 +221,7 @@ def from_keras(model) -> dict[str, Any]:
         return tf.cast(outputs, tf.float32)
 
     def infer(params: dict, features: dict):
-        with _giving({id(layer): (params[name], None) for name, layer in on_ps.items()}):
+        with giving({id(layer): (params[name], None) for name, layer in on_ps.items()}):
             outputs, _ = model.stateless_call(
                 values_of(params), [v.value for v in state], model_inputs(features), training=False
             )

@@ -284,7 +284,7 @@ def load_model(name: str, model_args: dict | None = None, seed: int = 0) -> Mode
     function = getattr(importlib.import_module(module_name), func_name)
     build = lambda: function(model_args, seed)  # noqa: E731
     keras_first = "keras" in sys.modules  # the module imports Keras: build under its seed at once
-    from .keras_model import tables_on_ps
+    from .keras_tables import tables_on_ps
 
     with tables_on_ps():  # built to be trained: a tfps Embedding's table stays on the PS
         if keras_first:
@@ -297,7 +297,8 @@ def load_model(name: str, model_args: dict | None = None, seed: int = 0) -> Mode
             from .keras_model import from_keras, seeded
 
             # Under the seed (built again if Keras came in late): every process starts from the same weights.
-            model = ModelDef(**from_keras(model if keras_first else seeded(seed, build)))
+            fields = from_keras(model if keras_first else seeded(seed, build))
+            model = ModelDef(params=[Param(**p) for p in fields.pop("params")], **fields)
             # the export's model, its tables whole
             model.extra["rebuild"] = lambda: seeded(seed, build)
     if not isinstance(model, ModelDef):
