@@ -85,8 +85,8 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
 ]
 # The dtypes a message may carry, by their names on the wire: these, and bfloat16, which is
-# ml_dtypes' and is imported on first use (`dtype`): 7 MiB resident and up to a second and a
-# half of start-up that a PS of a float32 job never needs (TensorFlow imports it anyway in a worker).
+# ml_dtypes' and is imported on first use (`dtype`): memory and start-up time that a PS of a
+# float32 job never needs (TensorFlow imports it anyway in a worker).
 _NP_DTYPES = {name: np.dtype(name) for name in ("float32", "int64", "int32", "float16")}
 _DTYPE_NAMES = {dtype: name for name, dtype in _NP_DTYPES.items()}
 _BUFFER_DTYPES = frozenset(_NP_DTYPES.values())  # NumPy's own: an array of one exports its bytes as a buffer
