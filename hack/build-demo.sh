@@ -17,6 +17,7 @@
 #   --plan  print each lane's steps and their estimates in seconds (0: built), build nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONSAFEPATH=1  # the repository's operator/ folder must not shadow the stdlib's `operator`
 # shellcheck source=versions.env
 . hack/versions.env
 cache=${TFPS_CACHE:-$HOME/.cache/tfps}

@@ -19,6 +19,7 @@
 #           $TFPS_CONTAINERD_SOCK, default /run/containerd/containerd.sock)
 # Writes $TFPS_CACHE/images/current.json: image name -> ref, tags, archive, image id, size.
 set -euo pipefail
+export PYTHONSAFEPATH=1  # run from the repository root, its operator/ folder would shadow the stdlib's
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 cache=${TFPS_CACHE:-$HOME/.cache/tfps}

@@ -14,7 +14,7 @@ start=$(date +%s)
 bin="${TFPS_CACHE:-$HOME/.cache/tfps}/bin/current"
 values=()
 # Extra helm arguments, e.g. the image repositories of a registry the cluster pulls from.
-read -r -a extra <<< "${TFPS_DEMO_HELM_ARGS:-}"
+read -r -d '' -a extra <<< "${TFPS_DEMO_HELM_ARGS:-}" || true
 # kubectl and helm from PATH, else those hack/build-demo.sh built (the same check it makes).
 export PATH="$PATH:$bin"
 if [ -n "${KUBECONFIG:-}" ] && [ -f "$KUBECONFIG" ] && kubectl version --request-timeout=5s >/dev/null 2>&1; then
