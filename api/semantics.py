@@ -14,6 +14,9 @@ from .spec import ReplicaType, RestartPolicy, SuccessPolicy, TrainingJobSpec
 # Creation order: PS first (workers wait for them anyway), the Chief before the workers.
 REPLICA_ORDER = (ReplicaType.PS, ReplicaType.CHIEF, ReplicaType.WORKER, ReplicaType.EVALUATOR)
 RETRYABLE_EXIT_CODE = 128  # TFJob: >= 128 means killed by a signal (OOM, preemption): worth a retry
+# The runtime could not load the user's model (import error, the function raised): a restart
+# runs the same code again, so the job fails at once with the error in its condition.
+USER_CODE_EXIT_CODE = 4
 BUILT_IN_ARGS = {ReplicaType.PS: ["ps"]}  # with spec.training, every other type runs `tfps worker`
 
 Replica = tuple[ReplicaType, int]
@@ -39,13 +42,21 @@ def reporting_replica(spec: TrainingJobSpec) -> Replica:
 
 def retryable(policy: RestartPolicy, exit_code: int | None) -> bool:
     """Whether a replica that failed (exit code non-zero, or none known: evicted, node lost,
-    killed by a signal) is run again under its restartPolicy."""
+    killed by a signal) is run again under its restartPolicy. A model that cannot be loaded
+    never is."""
+    if exit_code == USER_CODE_EXIT_CODE:
+        return False
     if policy in (RestartPolicy.ALWAYS, RestartPolicy.ON_FAILURE):
         return True
     if policy is RestartPolicy.EXIT_CODE:
         # No exit code (evicted, node lost), or a signal, is not the program's fault either.
         return exit_code is None or exit_code < 0 or exit_code >= RETRYABLE_EXIT_CODE
     return False
+
+
+def user_code_failed(exit_code: int | None) -> bool:
+    """Whether a replica exited because the user's model could not be loaded."""
+    return exit_code == USER_CODE_EXIT_CODE
 
 
 def restarts_after_exit(rtype: ReplicaType, policy: RestartPolicy, exit_code: int | None) -> bool:

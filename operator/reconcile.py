@@ -212,6 +212,8 @@ def _run(result: Plan, job: TrainingJob, views: list[PodView], old: dict[str, An
         _record_result(result, job, views, old.get("progress") or {})
         _finish(result, job, views, SUCCEEDED, Reason.SUCCEEDED, f"TrainingJob {job.name} succeeded: {done}", now)
         return
+    if _model_load_failed(result, job, views, now):
+        return
     restarted = _restart_failed(result, job, views, now)
     if restarted is None:
         return
@@ -318,6 +320,25 @@ def _deadline_passed(result: Plan, job: TrainingJob, views: list[PodView], now: 
         now,
         delete_all=True,
     )
+    return True
+
+
+def model_load_failure(pods: list[PodView]) -> str | None:
+    """The condition's message when a replica could not load the user's model, quoting the error
+    its termination message holds; None when none failed so. The kubelet may already be
+    restarting the container in place (restartPolicy OnFailure): its last state says so too."""
+    pod = next((p for p in pods if not p.deleting and semantics.user_code_failed(p.exit_code)), None)
+    if pod is None:
+        return None
+    error = (pod.message or "").strip() or f"no message: see kubectl logs {pod.name}"
+    return f"pod {pod.name} could not load the model (exit code {pod.exit_code}): {error}"
+
+
+def _model_load_failed(result: Plan, job: TrainingJob, views: list[PodView], now: datetime) -> bool:
+    message = model_load_failure(views)
+    if message is None:
+        return False
+    _finish(result, job, views, FAILED, Reason.MODEL_LOAD_FAILED, message, now)
     return True
 
 

@@ -42,6 +42,7 @@ class Reason:
     RESUMED = "Resumed"
     TTL_EXPIRED = "TTLExpired"
     UNSCHEDULABLE = "Unschedulable"
+    MODEL_LOAD_FAILED = "ModelLoadFailed"  # the user's model did not import or build: no restart fixes it
     SCHEDULING_GATED = "SchedulingGated"  # the pods' own PodScheduled reason: e.g. Kueue has not admitted them
 
     @staticmethod

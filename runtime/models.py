@@ -23,12 +23,15 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import traceback
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tfps.api.semantics import USER_CODE_EXIT_CODE
 
 from . import wire
 
@@ -273,6 +276,37 @@ BUILTIN: dict[str, Callable[[dict, int], ModelDef]] = {
 }
 
 
+class UserCodeError(Exception):
+    """The user's model could not be loaded: its module does not import, the function is
+    missing, raises, or returns something else than a model. Restarting will not fix it."""
+
+
+def describe_user_error(name: str, err: BaseException) -> str:
+    """One line that names the model, the error and where in the user's code it was raised."""
+    where = ""
+    ours = os.path.dirname(os.path.abspath(__file__))
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.startswith(("<frozen", ours)) and "/importlib/" not in f.filename
+    ]
+    if isinstance(err, SyntaxError) and err.filename:
+        where = f" ({err.filename}, line {err.lineno})"
+    elif frames:
+        where = f" ({frames[-1].filename}, line {frames[-1].lineno})"
+    return f"model {name}: {type(err).__name__}: {err}{where}"
+
+
+def use_module_path(paths: list[str]) -> None:
+    """Put spec.training.modulePath ahead of the import path, in this process and, through
+    PYTHONPATH, in the processes it starts (load_params's child builds the model too)."""
+    if not paths:
+        return
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    rest = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, rest] if rest else paths)
+
+
 def load_model(name: str, model_args: dict | None = None, seed: int = 0) -> ModelDef:
     """A built-in name or `package.module:function`."""
     model_args = model_args or {}
@@ -280,6 +314,13 @@ def load_model(name: str, model_args: dict | None = None, seed: int = 0) -> Mode
         return BUILTIN[name](model_args, seed)
     if ":" not in name:
         raise ValueError(f"unknown model {name!r}: use one of {sorted(BUILTIN)} or 'package.module:function'")
+    try:
+        return _load_user_model(name, model_args, seed)
+    except Exception as err:
+        raise UserCodeError(describe_user_error(name, err)) from err
+
+
+def _load_user_model(name: str, model_args: dict, seed: int) -> ModelDef:
     module_name, func_name = name.split(":", 1)
     function = getattr(importlib.import_module(module_name), func_name)
     build = lambda: function(model_args, seed)  # noqa: E731
@@ -321,16 +362,26 @@ def load_params(name: str, model_args: dict | None = None, seed: int = 0) -> lis
         out = os.path.join(tmp, "params.pickle")
         args = [sys.executable, "-m", "tfps.runtime.models", name, json.dumps(model_args or {}), str(seed), out]
         done = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+        if done.returncode == USER_CODE_EXIT_CODE and os.path.exists(out + ".error"):
+            with open(out + ".error") as fh:
+                raise UserCodeError(fh.read())
         if done.returncode != 0:
             raise RuntimeError(f"building model {name} failed:\n{done.stdout[-4000:]}")
         with open(out, "rb") as fh:
             return pickle.load(fh)  # written by our own child just now
 
 
-def _write_params(name: str, model_args: str, seed: str, out: str) -> None:
-    model = load_model(name, json.loads(model_args), int(seed))
+def _write_params(name: str, model_args: str, seed: str, out: str) -> int:
+    try:
+        model = load_model(name, json.loads(model_args), int(seed))
+    except UserCodeError as err:
+        traceback.print_exc()
+        with open(out + ".error", "w") as fh:
+            fh.write(str(err))
+        return USER_CODE_EXIT_CODE
     with open(out, "wb") as fh:
         pickle.dump(model.params, fh, protocol=pickle.HIGHEST_PROTOCOL)
+    return 0
 
 
 class BatchSource:
@@ -375,4 +426,4 @@ if __name__ == "__main__":  # load_params's child: NAME MODEL_ARGS_JSON SEED OUT
     # through the package's module, so that the pickled parameters name its Param, not __main__'s
     from tfps.runtime.models import _write_params as write
 
-    write(*sys.argv[1:5])
+    sys.exit(write(*sys.argv[1:5]))

@@ -29,6 +29,7 @@ from .malloc import keep_large_buffers
 
 CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2
 CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"  # cgroup v1: cpu.cfs_quota_us and cpu.cfs_period_us
+TERMINATION_MESSAGE_LIMIT = 4000  # the kubelet keeps at most 4096 bytes of it
 
 
 @dataclass(frozen=True)
@@ -243,3 +244,29 @@ def start_pod_process(
     logging.getLogger("tfps.process").info(json.dumps({"event": "scheduling", "policy": policy}))
     configure_threads(tensorflow)
     return cfg, security
+
+
+def write_termination_log(text: str, path: str) -> None:
+    """In a pod, the kubelet copies this file into the container's terminated state, where the
+    operator reads it after the container exits (a result, or why it failed)."""
+    if not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return  # not in a pod (`tfps local`): the log and the result file are the channels
+    try:
+        with open(path, "w") as fh:
+            fh.write(text[:TERMINATION_MESSAGE_LIMIT])
+    except OSError as err:
+        logging.getLogger("tfps.process").warning(
+            json.dumps({"event": "termination-message-unwritten", "error": str(err)})
+        )
+
+
+def user_code_failed(cfg: ProcessConfig, command: str, err: Exception) -> int:
+    """Log why the user's model could not be loaded, leave it as the termination message, and
+    give the exit code that tells the operator not to restart the pod."""
+    from tfps.api.semantics import USER_CODE_EXIT_CODE
+
+    logging.getLogger(f"tfps.{command}").error(
+        json.dumps({"event": "model-load-failed", command: cfg.cluster.task_index, "error": str(err)})
+    )
+    write_termination_log(str(err), cfg.settings.termination_log if cfg.settings else "/dev/termination-log")
+    return USER_CODE_EXIT_CODE

@@ -11,7 +11,7 @@ import logging
 import signal
 import threading
 
-from .process import add_pod_arguments, freeze_startup_objects, start_pod_process
+from .process import add_pod_arguments, freeze_startup_objects, start_pod_process, user_code_failed
 
 log = logging.getLogger("tfps.ps")
 
@@ -33,12 +33,16 @@ def run(args: argparse.Namespace) -> int:
     metrics_port = args.metrics_port or cfg.metrics_port
 
     from .metrics import Identity, PSMetrics
-    from .models import load_params
+    from .models import UserCodeError, load_params, use_module_path
     from .ps import Shard, serve
     from .sharding import place
 
     # A user's model is built in a child process: the PS itself never imports TensorFlow.
-    params = load_params(cfg.training.model, cfg.training.model_args, cfg.training.seed)
+    use_module_path(cfg.training.module_path)
+    try:
+        params = load_params(cfg.training.model, cfg.training.model_args, cfg.training.seed)
+    except UserCodeError as err:
+        return user_code_failed(cfg, "ps", err)
     plan = place(params, len(cfg.cluster.ps))
     metrics = PSMetrics(Identity(cfg.job, cfg.namespace, "ps", index))
     metrics.serve(metrics_port, bind)

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 
-from .process import add_pod_arguments, freeze_startup_objects, start_pod_process
+from .process import add_pod_arguments, freeze_startup_objects, start_pod_process, user_code_failed
 
 log = logging.getLogger("tfps.worker")
 
@@ -33,13 +33,17 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from .metrics import Identity, WorkerMetrics
-    from .models import load_model
+    from .models import UserCodeError, load_model, use_module_path
     from .worker import Worker, use_gpu_memory_growth
 
     gpus = use_gpu_memory_growth()
     metrics = WorkerMetrics(Identity(cfg.job, cfg.namespace, "worker", index))
     metrics.serve(args.metrics_port or cfg.metrics_port, args.bind or cfg.bind_address)
-    model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
+    use_module_path(cfg.training.module_path)
+    try:
+        model = load_model(cfg.training.model, cfg.training.model_args, cfg.training.seed)
+    except UserCodeError as err:
+        return user_code_failed(cfg, "worker", err)
     worker = Worker(
         model,
         cfg.training,

@@ -163,6 +163,8 @@ def test_replicas_come_in_creation_order():
         ("ExitCode", -9, True),
         ("ExitCode", None, True),
         ("Never", None, False),
+        ("Always", semantics.USER_CODE_EXIT_CODE, False),  # a model that cannot load won't on a restart
+        ("OnFailure", semantics.USER_CODE_EXIT_CODE, False),
     ],
 )
 def test_retryable_exit_codes(policy, code, retried):

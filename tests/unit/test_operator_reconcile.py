@@ -309,3 +309,43 @@ def test_unschedulable_pod_is_explained_not_silently_pending():
         pod["status"] = {**pod["status"], "phase": "Running", "conditions": []}
     running = next(c for c in _settle(body, pods).status["conditions"] if c["type"] == "Running")
     assert running["status"] == "True"
+
+
+def _model_load_failed(pod: dict, message: str | None, in_place: bool) -> None:
+    """The kubelet's record of a container that exited with the runtime's model-load exit code."""
+    terminated = {"exitCode": 4, "reason": "Error", **({"message": message} if message else {})}
+    status = pod["status"]["containerStatuses"][0]
+    if in_place:  # restartPolicy OnFailure: the kubelet is already waiting to run it again
+        status.update(
+            restartCount=1, state={"waiting": {"reason": "CrashLoopBackOff"}}, lastState={"terminated": terminated}
+        )
+    else:
+        pod["status"]["phase"] = "Failed"
+        status["state"] = {"terminated": terminated}
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_model_that_cannot_load_fails_the_job_quoting_the_error(in_place):
+    body = _body(policy="OnFailure")
+    _settle(body, [])
+    pods = _pods(body)
+    error = "model mymodels.ctr:build: ModuleNotFoundError: No module named 'mymodels'"
+    _model_load_failed(pods[3], error, in_place)
+    p = _settle(body, pods)
+    assert p.status["phase"] == "Failed" and not p.restart and not p.create
+    failed = next(c for c in p.status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "ModelLoadFailed"
+    assert error in failed["message"] and "j-worker-1" in failed["message"]
+    # a crash-looping pod is stopped with the rest; a failed one stays, with its log
+    assert ("j-worker-1" in p.stop) is in_place and "j-ps-0" in p.stop
+
+
+def test_a_model_load_failure_without_a_message_points_at_the_log():
+    body = _body(policy="ExitCode")
+    _settle(body, [])
+    pods = _pods(body)
+    _model_load_failed(pods[0], None, in_place=False)
+    p = _settle(body, pods)
+    assert p.status["phase"] == "Failed"
+    failed = next(c for c in p.status["conditions"] if c["type"] == "Failed")
+    assert failed["message"].endswith("no message: see kubectl logs j-ps-0")
