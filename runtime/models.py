@@ -276,9 +276,10 @@ BUILTIN: dict[str, Callable[[dict, int], ModelDef]] = {
 }
 
 
-class UserCodeError(Exception):
+class UserCodeError(ValueError):
     """The user's model could not be loaded: its module does not import, the function is
-    missing, raises, or returns something else than a model. Restarting will not fix it."""
+    missing, raises, returns something else than a model, or a model tfps cannot train.
+    Restarting will not fix it."""
 
 
 def describe_user_error(name: str, err: BaseException) -> str:
