@@ -169,7 +169,7 @@ class TrainingSpec(_Model):
     model: str = "digits-mlp"  # BUILT_IN_MODELS or `package.module:function`, checked at admission too
     model_args: dict[str, Any] = Field(default_factory=dict)
     # Directories searched first for the model's module (a ConfigMap or volume mounted in the pods).
-    module_path: list[str] = Field(default_factory=list)
+    module_path: list[str] | None = None
     seed: int = 0
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     batch_size: int = Field(64, ge=1)

@@ -298,7 +298,7 @@ def describe_user_error(name: str, err: BaseException) -> str:
     return f"model {name}: {type(err).__name__}: {err}{where}"
 
 
-def use_module_path(paths: list[str]) -> None:
+def use_module_path(paths: list[str] | None) -> None:
     """Put spec.training.modulePath ahead of the import path, in this process and, through
     PYTHONPATH, in the processes it starts (load_params's child builds the model too)."""
     if not paths:
