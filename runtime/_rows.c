@@ -22,20 +22,6 @@
 #include <string.h>
 
 #define AHEAD 8 /* rows prefetched ahead of the one being updated */
-
-/* The float loops are built for AVX2 and for the baseline (SSE2), and the loader picks the one the
-   CPU runs (GCC's function multiversioning), since the package is built once for every machine it
-   goes to. Square roots and divisions are correctly rounded at any vector width and no
-   multiply-add is fused: both give the same bits. */
-#if defined(__x86_64__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define SIMD __attribute__((target_clones("avx2", "default")))
-#endif
-#endif
-#ifndef SIMD
-#define SIMD
-#endif
-#define EXPONENT 0x7f800000u /* a float32's exponent bits */
 #define LARGE (1 << 16) /* floats: a pass over more lets other threads run meanwhile */
 
 /* The float loops run with subnormal floats taken as zero, in and out (x86's FTZ and DAZ, ARM's
@@ -66,23 +52,6 @@ typedef int FpMode;
 static inline FpMode flush_subnormals(void) { return 0; }
 static inline void restore_fp(FpMode old) { (void)old; }
 #endif
-
-/* 1 when x is a NaN or an Inf (its exponent bits all set); written so that loops vectorise. */
-static inline uint32_t nonfinite(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (u & EXPONENT) == EXPONENT;
-}
-
-/* 1 when none of the n floats is a NaN or an Inf. Not inlined: a loop of its own vectorises. */
-__attribute__((noinline)) static SIMD int finite_floats(const float *restrict x, Py_ssize_t n) {
-    uint32_t bad = 0;
-    for (Py_ssize_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
-    return !bad;
-}
-
-/* finite_floats for runtime/_rows_wire.c (the loader's choice of build stays in this file). */
-int floats_finite(const float *x, Py_ssize_t n) { return finite_floats(x, n); }
 
 void release(Buf *bufs, int n) {
     for (int i = 0; i < n; i++)
@@ -128,19 +97,6 @@ int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, const ch
         return -1;
     }
     return 0;
-}
-
-/* 1 when the k rows are all inside 0..n-1; *increasing: whether they are strictly increasing. */
-int scan_rows(const int64_t *r, Py_ssize_t k, long long n, int *increasing) {
-    int inside = 1, up = 1;
-    int64_t prev = -1;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        inside &= (r[i] >= 0) & (r[i] < n);
-        up &= r[i] > prev;
-        prev = r[i];
-    }
-    *increasing = up;
-    return inside;
 }
 
 /* check_rows(rows, n) -> True when the rows are strictly increasing (sorted, none repeated);

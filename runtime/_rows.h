@@ -8,6 +8,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The platform the kernels and the wire are written for: a message's integers are read with memcpy
    in the machine's byte order and its tensors used in place, so the machine must be the wire's. */
@@ -18,6 +19,36 @@ _Static_assert(sizeof(Py_ssize_t) == 8 && sizeof(size_t) == 8, "a 64-bit Py_ssiz
 _Static_assert(sizeof(long long) == 8 && sizeof(int64_t) == 8, "long long is int64");
 _Static_assert(sizeof(float) == 4 && sizeof(uint32_t) == 4, "float is 32 bits");
 _Static_assert(__FLT_MANT_DIG__ == 24 && __FLT_MAX_EXP__ == 128, "float is IEEE 754 binary32");
+
+/* The float loops are built for AVX2 and for the baseline (SSE2), and the loader picks the one the
+   CPU runs (GCC's function multiversioning), since the package is built once for every machine it
+   goes to. Square roots and divisions are correctly rounded at any vector width and no
+   multiply-add is fused: both give the same bits. */
+#if defined(__x86_64__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define SIMD __attribute__((target_clones("avx2", "default")))
+#endif
+#endif
+#ifndef SIMD
+#define SIMD
+#endif
+#define EXPONENT 0x7f800000u /* a float32's exponent bits */
+
+/* 1 when x is a NaN or an Inf (its exponent bits all set); written so that loops vectorise. */
+static inline uint32_t nonfinite(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & EXPONENT) == EXPONENT;
+}
+
+/* 1 when none of the n floats is a NaN or an Inf. Not inlined: a loop of its own vectorises. In
+   the header, so that each file calls its own build of it: a call through the other file costs a
+   request's parse measurably. */
+__attribute__((noinline, unused)) static SIMD int finite_floats(const float *restrict x, Py_ssize_t n) {
+    uint32_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) bad |= nonfinite(x[i]);
+    return !bad;
+}
 
 /* Not exported from the module's shared object: the two files' own interface. */
 #define INTERNAL __attribute__((visibility("hidden")))
@@ -47,8 +78,20 @@ typedef struct {
 INTERNAL void release(Buf *bufs, int n);
 INTERNAL int get(PyObject *obj, Buf *b, const char *fmt, int ndim, int writable, const char *what);
 INTERNAL int overlap(const Buf *x, const Buf *y);
-INTERNAL int floats_finite(const float *x, Py_ssize_t n);
-INTERNAL int scan_rows(const int64_t *r, Py_ssize_t k, long long n, int *increasing);
+
+/* 1 when the k rows are all inside 0..n-1; *increasing: whether they are strictly increasing.
+   Here, inline, for both files: a request's rows are checked with it in the request's own pass. */
+static inline int scan_rows(const int64_t *r, Py_ssize_t k, long long n, int *increasing) {
+    int inside = 1, up = 1;
+    int64_t prev = -1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        inside &= (r[i] >= 0) & (r[i] < n);
+        up &= r[i] > prev;
+        prev = r[i];
+    }
+    *increasing = up;
+    return inside;
+}
 
 /* An update of a table's rows: the table (n x d, written), up to two slots of its shape (written),
    k rows (each at most once) and their gradients (k x d). */

@@ -228,7 +228,7 @@ PyObject *parse_request(PyObject *module, PyObject *args) {
         Py_ssize_t ndim = t.ndim, items = t.items, nbytes = t.nbytes, *dims = t.dims;
         if (place_of(offset, h.align, nbytes, total, &offset) < 0) DECLINE;
         const char *at = buf + offset;
-        if ((uintptr_t)at % (uintptr_t)t.itemsize) DECLINE; /* read as floats or integers below: aligned only */
+        if ((uintptr_t)at & (uintptr_t)(t.itemsize - 1)) DECLINE; /* read as floats or integers below: aligned only */
         Py_ssize_t table_rows = 0, width = 0;
         if (kind != 0 && !PyArg_ParseTuple(want, "nn", &table_rows, &width)) goto fail;
         PyObject *arr = NULL, *target = NULL, *key = part;
@@ -239,7 +239,7 @@ PyObject *parse_request(PyObject *module, PyObject *args) {
                 if (dim == -1 && PyErr_Occurred()) goto fail;
                 if (dim != dims[i]) DECLINE;
             }
-            if (check_dense && !floats_finite((const float *)at, items)) DECLINE;
+            if (check_dense && !finite_floats((const float *)at, items)) DECLINE;
             arr = view_at(st, data, st->float32, items, offset, 0, -1, ndim == 1 ? NULL : want); /* 1-D: no reshape */
             target = dense;
         } else if (kind == 1 || kind == 3) { /* rows: 1-D, inside the table; a push's strictly increasing */
@@ -254,7 +254,7 @@ PyObject *parse_request(PyObject *module, PyObject *args) {
                 if (PyErr_Occurred()) goto fail;
                 DECLINE;
             }
-            if (ndim != 2 || dims[0] != PyObject_Length(idx) || dims[1] != width || !floats_finite((const float *)at, items))
+            if (ndim != 2 || dims[0] != PyObject_Length(idx) || dims[1] != width || !finite_floats((const float *)at, items))
                 DECLINE;
             arr = view_at(st, data, st->float32, items, offset, dims[0], dims[1], NULL);
             if (arr) {
