@@ -167,7 +167,12 @@ lane() {
 
 plan=0
 case ${1:-} in
-  --lane) shift; state=$TFPS_DEMO_STATE; lane "$@"; exit 0 ;;
+  --lane)
+    # The lane's exit status in a file: the waiting side must not go by its pid, which a long build
+    # (thousands of compiler processes) may have handed to another process by then.
+    state=$TFPS_DEMO_STATE lane_name=$2
+    trap 'echo $? > "$state/rc.$lane_name"' EXIT
+    shift; lane "$@"; exit 0 ;;
   --plan) plan=1 ;;
   -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
   "") ;;
@@ -217,8 +222,12 @@ export TFPS_DEMO_STATE=$state TFPS_DEMO_TOTAL=$total
 lanes=() pids=()
 # Each lane in its own session, so that an interrupt or a failure ends its builds and nothing else.
 stop_lanes() {
-  local p
-  for p in "${pids[@]}"; do kill -- "-$p" 2>/dev/null || true; done
+  local i
+  for i in "${!pids[@]}"; do
+    [ -f "$state/rc.${lanes[i]}" ] && continue
+    touch "$state/stopped.${lanes[i]}"
+    kill -- "-${pids[i]}" 2>/dev/null || true
+  done
 }
 trap 'stop_lanes; rm -rf "$state"' EXIT
 trap 'exit 130' INT TERM
@@ -238,8 +247,17 @@ setsid "$0" --lane net "${net_steps[@]}" & pids+=($!); lanes+=(net)
 rc=0 last_note=$(date +%s)
 while :; do
   running=0
-  for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && running=$((running + 1)); done
-  if compgen -G "$state/failed.*" >/dev/null; then rc=1; break; fi
+  for i in "${!lanes[@]}"; do
+    l=${lanes[i]}
+    [ -f "$state/rc.$l" ] && continue
+    # Killed before it could say (SIGKILL, the OOM killer): nothing left in its process group.
+    kill -0 -- "-${pids[i]}" 2>/dev/null || { echo 137 > "$state/rc.$l"; continue; }
+    running=$((running + 1))
+  done
+  for l in "${lanes[@]}"; do
+    if [ -f "$state/failed.$l" ] || { [ -f "$state/rc.$l" ] && [ "$(cat "$state/rc.$l")" != 0 ]; }; then rc=1; fi
+  done
+  [ "$rc" = 0 ] || break
   [ "$running" -gt 0 ] || break
   sleep 2
   if [ $(( $(date +%s) - last_note )) -ge 180 ]; then
@@ -252,10 +270,11 @@ while :; do
   fi
 done
 [ "$rc" = 0 ] || stop_lanes  # the other lanes' builds are of no use now
-for i in "${!pids[@]}"; do
-  if ! wait "${pids[i]}" 2>/dev/null && [ "$rc" = 0 ]; then
+wait 2>/dev/null || true  # the lanes that are left, stopped or done
+for l in "${lanes[@]}"; do
+  if [ ! -f "$state/stopped.$l" ] && [ "$(cat "$state/rc.$l" 2>/dev/null)" != 0 ]; then
     rc=1
-    [ -f "$state/failed.${lanes[i]}" ] || echo "a step of lane ${lanes[i]}" > "$state/failed.${lanes[i]}"
+    [ -f "$state/failed.$l" ] || echo "a step of lane $l" > "$state/failed.$l"
   fi
 done
 if [ "$rc" != 0 ]; then
