@@ -79,7 +79,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	@mkdir -p .tfps/mypy/tfps && for p in api operator runtime; do ln -sfn ../../../$$p .tfps/mypy/tfps/$$p; done
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir .tfps/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .tfps/site
 	$(VENV)/bin/hadolint images/*/Dockerfile
 	@if [ -x "$(HELM)" ]; then $(HELM) lint --strict charts/tfps; \
 	else echo "lint: helm not built yet ($(HELM)): run hack/build-cluster.sh; skipped helm lint"; fi
