@@ -9,67 +9,22 @@ from __future__ import annotations
 
 import json
 import shutil
-import textwrap
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 from kubernetes import client
 from support import wait_for
+from support.keras_data import ACCURACY_AT_LEAST, CATEGORIES, TFPS_MODEL, examples, write_tfrecord
 
 from tfps.api.spec import API_GROUP, API_VERSION, PLURAL, manifest_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-ACCURACY_AT_LEAST = 0.85  # the teacher's labels are noiseless; a model that learned nothing scores about 0.5
-CATEGORIES = ["red", "green", "blue", "black"]
-OFFSET = {"red": 1.5, "green": -1.5, "blue": 0.5, "black": -0.5}
 MODEL_MOUNT, DATA_MOUNT = "/models", "/data"
 
-MODEL = textwrap.dedent(
-    """
-    import keras
-    from tfps.runtime.keras_layers import Embedding
-
-
-    def wide_deep(model_args, seed):
-        numeric = keras.Input((2,), name="x", dtype="float32")
-        colour = keras.Input((1,), name="colour", dtype="string")
-        ids = keras.layers.StringLookup(vocabulary=model_args["colours"], name="lookup")(colour)
-        embedded = keras.layers.Flatten()(Embedding(len(model_args["colours"]) + 1, 4, name="emb")(ids))
-        deep = keras.layers.BatchNormalization(name="bn")(numeric)
-        h = keras.layers.Dense(16, activation="relu", name="hidden")(keras.layers.Concatenate()([deep, embedded]))
-        out = keras.layers.Dense(1, activation="sigmoid", name="out")(h)
-        model = keras.Model({"x": numeric, "colour": colour}, out)
-        model.compile(loss="binary_crossentropy", metrics=["accuracy"])
-        return model
-    """
-)
 BROKEN_ERROR = "this model needs the feature store client"
 BROKEN = f"raise ImportError({BROKEN_ERROR!r})\n"
-
-
-def _examples(n: int, seed: int):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 2)).astype(np.float32)
-    colour = rng.choice(CATEGORIES, n)
-    logit = 2.0 * x[:, 0] - 1.0 * x[:, 1] + np.array([OFFSET[c] for c in colour])
-    return x, colour, (logit > 0).astype(np.int64)
-
-
-def _write_tfrecord(path: Path, x, colour, y) -> None:
-    import tensorflow as tf
-
-    with tf.io.TFRecordWriter(str(path)) as writer:
-        for i in range(len(y)):
-            feature = {
-                "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
-                "colour": tf.train.Feature(bytes_list=tf.train.BytesList(value=[colour[i].encode()])),
-                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[y[i]])),
-            }
-            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
-    path.chmod(0o644)
 
 
 @pytest.fixture
@@ -81,10 +36,10 @@ def data_dir():
         (root / sub).mkdir(parents=True)
         (root / sub).chmod(0o755)
     root.chmod(0o755)
-    x, colour, y = _examples(3000, 1)
+    x, colour, y = examples(3000, 1)
     for k in range(2):
-        _write_tfrecord(root / "train" / f"part-{k}.tfrecord", x[k::2], colour[k::2], y[k::2])
-    _write_tfrecord(root / "eval" / "part-0.tfrecord", *_examples(600, 2))
+        write_tfrecord(root / "train" / f"part-{k}.tfrecord", x[k::2], colour[k::2], y[k::2])
+    write_tfrecord(root / "eval" / "part-0.tfrecord", *examples(600, 2))
     yield root
     shutil.rmtree(root, ignore_errors=True)
 
@@ -130,7 +85,7 @@ def test_a_keras_model_from_a_configmap_trains_and_a_broken_one_fails_quoting_it
 ):
     core = client.CoreV1Api(cluster.api)
     custom = client.CustomObjectsApi(cluster.api)
-    for name, files in (("user-model", {"ctr_model.py": MODEL}), ("broken-model", {"broken_model.py": BROKEN})):
+    for name, files in (("user-model", {"ctr_model.py": TFPS_MODEL}), ("broken-model", {"broken_model.py": BROKEN})):
         core.create_namespaced_config_map(namespace, {"metadata": {"name": name}, "data": files})
     for body in (
         _job("keras-cm", "user-model", "ctr_model", data_dir),

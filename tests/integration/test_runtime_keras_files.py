@@ -11,61 +11,17 @@ from __future__ import annotations
 
 import gzip
 import json
-import textwrap
 
 import numpy as np
 import pytest
+from support.keras_data import ACCURACY_AT_LEAST, CATEGORIES, MODEL, TFPS_MODEL, examples, write_tfrecord
 
 from tfps.api.spec import TrainingJob, manifest_for
 from tfps.runtime.local import LocalRun
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-ACCURACY_AT_LEAST = 0.85  # the teacher's labels are noiseless; a model that learned nothing scores about 0.5
 AUC_AT_LEAST = 0.9
-CATEGORIES = ["red", "green", "blue", "black"]
-OFFSET = {"red": 1.5, "green": -1.5, "blue": 0.5, "black": -0.5}
-
-MODEL = textwrap.dedent(
-    """
-    import keras
-
-
-    def wide_deep(model_args, seed):
-        numeric = keras.Input((2,), name="x", dtype="float32")
-        colour = keras.Input((1,), name="colour", dtype="string")
-        ids = keras.layers.StringLookup(vocabulary=model_args["colours"], name="lookup")(colour)
-        embedded = keras.layers.Flatten()(keras.layers.Embedding(len(model_args["colours"]) + 1, 4, name="emb")(ids))
-        deep = keras.layers.BatchNormalization(name="bn")(numeric)
-        h = keras.layers.Dense(16, activation="relu", name="hidden")(keras.layers.Concatenate()([deep, embedded]))
-        out = keras.layers.Dense(1, activation="sigmoid", name="out")(h)
-        model = keras.Model({"x": numeric, "colour": colour}, out)
-        model.compile(loss="binary_crossentropy", metrics=["accuracy"])
-        return model
-    """
-)
-
-
-def _examples(n: int, seed: int):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 2)).astype(np.float32)
-    colour = rng.choice(CATEGORIES, n)
-    logit = 2.0 * x[:, 0] - 1.0 * x[:, 1] + np.array([OFFSET[c] for c in colour])
-    return x, colour, (logit > 0).astype(np.int64)
-
-
-def _write_tfrecord(path, x, colour, y, compression=None):
-    import tensorflow as tf
-
-    options = tf.io.TFRecordOptions(compression_type=compression or "")
-    with tf.io.TFRecordWriter(str(path), options) as writer:
-        for i in range(len(y)):
-            feature = {
-                "x": tf.train.Feature(float_list=tf.train.FloatList(value=x[i])),
-                "colour": tf.train.Feature(bytes_list=tf.train.BytesList(value=[colour[i].encode()])),
-                "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[y[i]])),
-            }
-            writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
 
 
 def _write_parquet(path, x, colour, y):
@@ -83,7 +39,7 @@ def _write_csv(path, x, colour, y):
 
 
 FORMATS = {
-    "tfrecord": (_write_tfrecord, "tfrecord", None),
+    "tfrecord": (write_tfrecord, "tfrecord", None),
     "parquet": (_write_parquet, "parquet", None),
     "csv": (_write_csv, "csv.gz", "gzip"),
 }
@@ -93,10 +49,10 @@ def _write(tmp_path, fmt: str, files: int = 3, train: int = 3000, evals: int = 6
     write, suffix, compression = FORMATS[fmt]
     (tmp_path / "train").mkdir()
     (tmp_path / "eval").mkdir()
-    x, colour, y = _examples(train, 1)
+    x, colour, y = examples(train, 1)
     for k in range(files):
         write(tmp_path / "train" / f"part-{k}.{suffix}", x[k::files], colour[k::files], y[k::files])
-    write(tmp_path / "eval" / f"part-0.{suffix}", *_examples(evals, 2))
+    write(tmp_path / "eval" / f"part-0.{suffix}", *examples(evals, 2))
     source = {"format": fmt, **({"compression": compression} if compression else {})}
     return {
         "train": {"files": str(tmp_path / "train" / f"*.{suffix}"), **source},
@@ -104,12 +60,6 @@ def _write(tmp_path, fmt: str, files: int = 3, train: int = 3000, evals: int = 6
         "label": "label",
     }
 
-
-# The same model with the table on the PS: `rows` sizes it (the lookup's ids reach only the first few).
-TFPS_MODEL = MODEL.replace("import keras\n", "import keras\nfrom tfps.runtime.keras_layers import Embedding\n").replace(
-    'keras.layers.Embedding(len(model_args["colours"]) + 1,',
-    'Embedding(model_args.get("rows", len(model_args["colours"]) + 1),',
-)
 
 # A CSV column holds one value: the model takes its two numbers as two inputs.
 CSV_MODEL = MODEL.replace(
@@ -155,7 +105,7 @@ def _check_export(path, fmt: str) -> None:
     import tensorflow as tf
 
     serve = tf.saved_model.load(str(path)).signatures["serving_default"]
-    x, colour, y = _examples(400, 3)
+    x, colour, y = examples(400, 3)
     features = {"colour": tf.constant(colour.reshape(-1, 1))}
     if fmt == "csv":
         features.update(x0=tf.constant(x[:, :1]), x1=tf.constant(x[:, 1:]))
@@ -234,7 +184,7 @@ def test_a_worker_holds_only_the_touched_rows_of_a_2m_row_table_and_the_export_h
         shard.close()
     exported = tf.saved_model.load(str(tmp_path / "export"))
     assert any(tuple(v.shape) == (rows, 4) for v in exported.variables)
-    x, colour, _ = _examples(64, 3)
+    x, colour, _ = examples(64, 3)
     features = {"x": x, "colour": colour.reshape(-1, 1).astype(object)}
     served = exported.signatures["serving_default"](**{k: tf.constant(v) for k, v in features.items()})
     expected = model.predict({k: tf.constant(v) for k, v in params.items()}, features).numpy()

@@ -11,10 +11,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -22,6 +18,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import sample, scrape, serving_records, tls_training, wait_for
+from support.ps_process import spawn_ps, stop_ps
 
 from tfps.api.naming import ENV_AUTH_TOKEN_FILE
 from tfps.api.spec import TrainingJob, TrainingSpec, manifest_for
@@ -51,28 +48,10 @@ class PSProcess:
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         training = {**TRAINING, "tls": tls, "checkpoint": {"path": str(tmp / "ckpt")}}
-        env = {
-            **os.environ,
-            "TF_CONFIG": json.dumps(
-                {"cluster": {"ps": [self.address], "worker": ["127.0.0.1:1"]}, "task": {"type": "ps", "index": 0}}
-            ),
-            "TFPS_JOB_NAME": "sec",
-            "TFPS_NAMESPACE": "default",
-            "TFPS_TRAINING": json.dumps(training),
-            "TFPS_BIND_ADDRESS": "127.0.0.1",
-            "TFPS_METRICS_PORT": str(self.metrics_port),
-            ENV_AUTH_TOKEN_FILE: str(self.token_file),
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-        }
         self.log = tmp / "ps.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tfps.cli.main", "ps"],
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        self.proc = spawn_ps(
+            self.log, "sec", self.address, ["127.0.0.1:1"], training, self.token_file, self.metrics_port
+        )
         self.own = ClientSecurity.from_env(tls, {ENV_AUTH_TOKEN_FILE: str(self.token_file)})
         self._wait_serving()
 
@@ -100,12 +79,7 @@ class PSProcess:
         return sample(scrape(self.metrics_port), "tfps_ps_rejected_requests_total", reason="unauthenticated") or 0.0
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_ps(self.proc)
 
 
 @pytest.fixture(scope="module")
