@@ -111,6 +111,6 @@ def test_a_keras_model_from_a_configmap_trains_and_a_broken_one_fails_quoting_it
         cluster.pod_log(namespace, "keras-cm-worker-0")[-3000:],
     )
     progress = status.get("progress") or {}
-    assert progress.get("steps") == 300, progress
+    assert progress.get("step") == 300, progress
     assert progress.get("accuracy", 0) >= ACCURACY_AT_LEAST, progress
     print(f"keras model from a ConfigMap: accuracy {progress['accuracy']:.3f}, AUC {progress.get('auc')}")
