@@ -304,6 +304,24 @@ def openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+def new_ca(d: Path, subj: str, days: int, *extensions: str) -> None:
+    """A self-signed CA in d (ca.key, ca.crt) with these X.509v3 extensions."""
+    added = [arg for ext in extensions for arg in ("-addext", ext)]
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", str(days),
+            "-subj", subj, *added, cwd=d)  # fmt: skip
+
+
+def issue_leaf(d: Path, name: str, subj: str, ext: str, days: int) -> None:
+    """<name>.key and <name>.crt signed by d's CA with the extensions file text `ext`; the
+    certificate is renamed into place, so a crash never leaves half of one."""
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subj,
+            cwd=d)  # fmt: skip
+    (d / f"{name}.ext").write_text(ext)
+    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt.tmp", "-days", str(days), "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    (d / f"{name}.crt.tmp").rename(d / f"{name}.crt")
+
+
 SERVING_SANS = [
     "IP:127.0.0.1",
     f"IP:{node.NODE_IP}",
@@ -342,62 +360,16 @@ def ensure_pki(p: Paths) -> None:
     (d / "layout").write_text(PKI_LAYOUT)
     if not (d / "ca.crt").exists():
         log.info("creating PKI in %s", d)
-        openssl(
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "3650",
-            "-subj",
+        new_ca(
+            d,
             "/CN=tfps-local-ca",
-            "-addext",
+            3650,
             "basicConstraints=critical,CA:TRUE",
-            "-addext",
             "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-            cwd=d,
         )
     for name, (subj, ext) in LEAVES.items():
-        if (d / f"{name}.crt").exists():
-            continue
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            f"{name}.key",
-            "-out",
-            f"{name}.csr",
-            "-subj",
-            subj,
-            cwd=d,
-        )
-        (d / f"{name}.ext").write_text(ext)
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.crt.tmp",
-            "-days",
-            "3650",
-            "-extfile",
-            f"{name}.ext",
-            cwd=d,
-        )
-        (d / f"{name}.crt.tmp").rename(d / f"{name}.crt")
+        if not (d / f"{name}.crt").exists():
+            issue_leaf(d, name, subj, ext, 3650)
     if not (d / "sa.pub").exists():
         openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=d)
         openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)

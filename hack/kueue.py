@@ -190,58 +190,14 @@ def make_certs(d: Path) -> bytes:
     """A CA and a serving certificate for 127.0.0.1 (tls.crt, tls.key: controller-runtime's names);
     the CA's PEM, for the webhooks' caBundle."""
     d.mkdir(parents=True, exist_ok=True)
-    cluster.openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "2",
-        "-subj",
+    cluster.new_ca(
+        d,
         "/CN=tfps-kueue-webhook-ca",
-        "-addext",
+        2,
         "basicConstraints=critical,CA:TRUE",
-        "-addext",
         "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-        cwd=d,
     )
-    cluster.openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "tls.key",
-        "-out",
-        "tls.csr",
-        "-subj",
-        "/CN=kueue-webhook",
-        cwd=d,
-    )
-    (d / "tls.ext").write_text(cluster.SERVER_EXT + "subjectAltName=IP:127.0.0.1\n")
-    cluster.openssl(
-        "x509",
-        "-req",
-        "-in",
-        "tls.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "tls.crt",
-        "-days",
-        "2",
-        "-extfile",
-        "tls.ext",
-        cwd=d,
-    )
+    cluster.issue_leaf(d, "tls", "/CN=kueue-webhook", cluster.SERVER_EXT + "subjectAltName=IP:127.0.0.1\n", 2)
     return (d / "ca.crt").read_bytes()
 
 
